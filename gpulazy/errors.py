@@ -1,0 +1,74 @@
+"""One error hierarchy; every class also inherits the builtin a caller would catch.
+
+Messages say what went wrong, with which value (``{path!r}``), what was expected
+and how to fix it. Chain the cause with ``raise ... from e``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GpulazyError",
+    "LayoutError",
+    "NoFilesError",
+    "ChunkReadError",
+    "BackendUnavailableError",
+    "DeviceError",
+    "ConfigError",
+    "OptionalDependencyError",
+]
+
+
+class GpulazyError(Exception):
+    """Base of every error gpulazy raises on purpose."""
+
+
+class LayoutError(GpulazyError, ValueError):
+    """Files do not match what was asked of them (size, header, shape, dtype)."""
+
+
+class NoFilesError(GpulazyError, FileNotFoundError):
+    """A path, glob or directory named no readable file."""
+
+
+class ChunkReadError(GpulazyError, OSError):
+    """A read failed or came back short. Never returned as zeros."""
+
+    def __init__(self, message: str, *, path: str | None = None, offset: int | None = None,
+                 expected: int | None = None, got: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+        self.expected = expected
+        self.got = got
+
+    def __reduce__(self):
+        # Picklable with its fields, so it crosses dask.distributed workers intact.
+        return (_rebuild_read_error, (str(self), self.path, self.offset, self.expected, self.got))
+
+
+def _rebuild_read_error(message, path, offset, expected, got):
+    return ChunkReadError(message, path=path, offset=offset, expected=expected, got=got)
+
+
+class BackendUnavailableError(GpulazyError, RuntimeError):
+    """The I/O backend asked for cannot run here; the message says why and what to install."""
+
+
+class DeviceError(GpulazyError, ValueError):
+    """An unknown or unusable device name."""
+
+
+class ConfigError(GpulazyError, ValueError):
+    """An unknown configuration key or a value of the wrong kind."""
+
+
+class OptionalDependencyError(GpulazyError, ImportError):
+    """An optional package is missing; the message names the extra that installs it."""
+
+
+def missing_dependency(package: str, extra: str, feature: str) -> OptionalDependencyError:
+    """The error to raise when ``feature`` needs ``package`` (installed by ``extra``)."""
+    return OptionalDependencyError(
+        f"{feature} needs the package {package!r}, which is not installed; "
+        f"install it with: pip install 'gpulazy[{extra}]'"
+    )

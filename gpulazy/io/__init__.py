@@ -1,0 +1,110 @@
+"""I/O backends: a small contract (``Backend``), a registry, and ``"auto"`` selection.
+
+Built-ins live in one table and are imported only when chosen; third parties register
+through the ``gpulazy.backends`` entry-point group (``name = "pkg.module:Class"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from importlib.metadata import entry_points
+
+from gpulazy import config
+from gpulazy.device import Device, get_device
+from gpulazy.errors import BackendUnavailableError, ConfigError
+from gpulazy.io._base import Backend, ReadFuture
+from gpulazy.io._read import decode, read_chunk, submit_chunk
+
+__all__ = [
+    "Backend",
+    "ReadFuture",
+    "backend_names",
+    "backend_class",
+    "select_backend",
+    "get_backend",
+    "read_chunk",
+    "submit_chunk",
+    "decode",
+]
+
+_BUILTIN = {
+    "kvikio": "gpulazy.io._kvikio:KvikioBackend",
+    "posix": "gpulazy.io._posix:PosixBackend",
+    "directstorage": "gpulazy.io._directstorage:DirectStorageBackend",
+}
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group="gpulazy.backends")}
+
+
+def backend_names() -> list[str]:
+    """Every backend name: built-ins first, then those from entry points."""
+    return list(_BUILTIN) + [n for n in _entry_points() if n not in _BUILTIN]
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as ``name`` (imported now)."""
+    target = _BUILTIN.get(name) or _entry_points().get(name)
+    if target is None:
+        raise ConfigError(f"unknown backend {name!r}; valid: 'auto', {', '.join(map(repr, backend_names()))}")
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def select_backend(device: Device) -> tuple[str, str]:
+    """``(name, reason)`` that ``"auto"`` picks for ``device``; deterministic.
+
+    On a CUDA device: kvikio when its probe read works, else posix through pinned
+    host buffers. On ``"cpu"``: posix. directstorage is never picked automatically.
+    """
+    if device.is_gpu:
+        ok, why = backend_class("kvikio").availability(device)
+        if ok:
+            return "kvikio", f"CUDA device {device.name} and a working KvikIO ({why})"
+        return "posix", f"CUDA device {device.name} but KvikIO is not usable ({why}); pinned host buffers instead"
+    return "posix", "device is 'cpu': threaded preadv straight into NumPy buffers"
+
+
+_instances: dict[tuple, Backend] = {}
+_lock = threading.Lock()
+
+
+def get_backend(name: str | None = None, device: str | Device | None = None, *,
+                threads: int | None = None, task_size: int | None = None) -> Backend:
+    """A ready backend instance (shared per name, device and settings).
+
+    ``name=None`` follows ``config.get("backend")``, then ``"auto"``. Asking for a
+    backend that cannot run on this device raises ``BackendUnavailableError`` saying why.
+    """
+    dev = get_device(device)
+    name = name or config.get("backend") or "auto"
+    if name == "auto":
+        name, because = select_backend(dev)
+    else:
+        because = "asked for by name"
+    threads = int(threads or config.get("threads"))
+    task_size = int(task_size or config.get("task_size"))
+    key = (name, dev.name, threads, task_size)
+    with _lock:
+        backend = _instances.get(key)
+        if backend is None:
+            cls = backend_class(name)
+            if dev.kind not in cls.devices:
+                raise BackendUnavailableError(
+                    f"backend {name!r} cannot read into device {dev.name!r}; it supports {sorted(cls.devices)}")
+            ok, why = cls.availability(dev)
+            if not ok:
+                raise BackendUnavailableError(f"backend {name!r} is not usable on {dev.name}: {why}")
+            backend = cls(dev, threads=threads, task_size=task_size)
+            backend.selected_because = because
+            _instances[key] = backend
+    return backend
+
+
+def _close_all() -> None:
+    with _lock:
+        for b in _instances.values():
+            b.close()
+        _instances.clear()

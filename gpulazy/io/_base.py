@@ -1,0 +1,141 @@
+"""The backend contract: move byte ranges of files into a caller-allocated buffer.
+
+A backend never knows file formats. ``submit(ranges, out)`` starts reading the ranges,
+concatenated in order, into ``out`` (a 1-D ``uint8`` buffer on the backend's device,
+NumPy or CuPy, at least ``sum(r.nbytes)`` long) and returns a ``ReadFuture``. Every byte
+is read or the future raises ``ChunkReadError`` naming the file, offset and byte counts;
+a short read is an error, never zeros.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any, Callable, ClassVar, Sequence
+
+from gpulazy import config
+from gpulazy.device import Device
+from gpulazy.errors import ChunkReadError
+from gpulazy.spec import ByteRange
+from gpulazy.stats import Stats, default_stats
+
+__all__ = ["Backend", "ReadFuture", "short_read_error", "total_bytes"]
+
+
+def total_bytes(ranges: Sequence[ByteRange]) -> int:
+    return sum(r.nbytes for r in ranges)
+
+
+def short_read_error(r: ByteRange, got: int, *, backend: str, at: int | None = None) -> ChunkReadError:
+    """The error for a read of ``r`` that returned ``got`` bytes instead of ``r.nbytes``."""
+    where = r.offset if at is None else at
+    return ChunkReadError(
+        f"short read of {r.path!r} at offset {where}: expected {r.nbytes} bytes from offset {r.offset}, "
+        f"got {got} ({backend} backend); the file may have been truncated or replaced after it was opened",
+        path=r.path, offset=where, expected=r.nbytes, got=got,
+    )
+
+
+class ReadFuture:
+    """The pending result of ``Backend.submit``: ``result()`` is the number of bytes read.
+
+    Wraps the backend's own futures; ``finish`` turns their results into the byte count
+    (checking for short reads) and runs once, in the thread that first asks for it.
+    """
+
+    def __init__(self, parts: Sequence[Any], finish: Callable[[list[Any]], int]):
+        self._parts = list(parts)
+        self._finish = finish
+        self._result: int | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None or all(_part_done(p) for p in self._parts)
+
+    def result(self, timeout: float | None = None) -> int:
+        if self._result is None and self._error is None:
+            try:
+                values = [_part_result(p, timeout) for p in self._parts]
+                self._result = self._finish(values)
+            except BaseException as e:  # kept, so a second result() raises the same error
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    @classmethod
+    def completed(cls, nbytes: int) -> ReadFuture:
+        return cls([], lambda _: nbytes)
+
+
+def _part_done(p: Any) -> bool:
+    return p.done() if hasattr(p, "done") else True
+
+
+def _part_result(p: Any, timeout: float | None) -> Any:
+    if isinstance(p, Future):
+        return p.result(timeout)
+    if hasattr(p, "get"):  # kvikio.IOFuture
+        return p.get()
+    if hasattr(p, "result"):
+        return p.result()
+    return p
+
+
+class Backend(ABC):
+    """An I/O backend bound to one device.
+
+    Subclasses set ``name``, ``device_direct`` (bytes land in device memory without a
+    host copy of ours), ``devices`` (``{"cpu", "cuda"}`` subset) and implement
+    ``availability`` and ``submit``.
+    """
+
+    name: ClassVar[str]
+    device_direct: ClassVar[bool] = False
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+
+    def __init__(self, device: Device, *, threads: int | None = None, task_size: int | None = None,
+                 stats: Stats | None = None):
+        self.device = device
+        self.threads = int(threads or config.get("threads"))
+        self.task_size = int(task_size or config.get("task_size"))
+        self.stats = stats if stats is not None else default_stats()
+        self.selected_because = "asked for by name"
+
+    # -- capability -------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def availability(cls, device: Device) -> tuple[bool, str]:
+        """``(usable, reason)`` for this device; probes for real and caches the answer."""
+
+    @property
+    def mode(self) -> str:
+        """How reads are served right now (``"gds"``, ``"compat"``, ``"posix"``, ...)."""
+        return self.name
+
+    # -- reading ----------------------------------------------------------------------
+    @abstractmethod
+    def submit(self, ranges: Sequence[ByteRange], out: Any) -> ReadFuture:
+        """Start reading ``ranges`` concatenated into ``out``; return a ``ReadFuture``."""
+
+    def read_into(self, ranges: Sequence[ByteRange], out: Any) -> int:
+        """Read ``ranges`` concatenated into ``out`` and wait; returns bytes read."""
+        return self.submit(ranges, out).result()
+
+    def close(self) -> None:
+        """Release threads and buffers; the backend is not used afterwards."""
+
+    # -- helpers for subclasses ---------------------------------------------------------
+    def _check_out(self, ranges: Sequence[ByteRange], out: Any) -> int:
+        need = total_bytes(ranges)
+        if out.nbytes < need:
+            raise ValueError(f"output buffer holds {out.nbytes} bytes but the ranges need {need}")
+        return need
+
+    def _record(self, nbytes: int, started: float, mode: str | None = None) -> None:
+        self.stats.record_read(nbytes=nbytes, seconds=time.perf_counter() - started, backend=self.name,
+                               mode=mode or self.mode, device=self.device.name)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} device={self.device.name} mode={self.mode} threads={self.threads}>"

@@ -1,0 +1,158 @@
+"""Thread-safe read counters and a rolling throughput window.
+
+The one source every display reads (dashboard, napari dock, CLI, bench). Backends call
+``record_read`` once per completed read; readers call ``snapshot()`` from any thread.
+
+>>> import gpulazy
+>>> s = gpulazy.stats()            # the process-wide Stats
+>>> s.snapshot()["bytes_read"] >= 0
+True
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Stats", "ReadEvent", "stats", "default_stats"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadEvent:
+    """One completed read: when it ended, how many bytes, by which backend and path."""
+
+    end: float  # time.monotonic()
+    nbytes: int
+    seconds: float
+    backend: str
+    mode: str  # e.g. "gds", "compat", "posix", "pinned-bounce"
+    device: str
+
+
+@dataclass
+class _BackendTotals:
+    bytes: int = 0
+    reads: int = 0
+    seconds: float = 0.0
+    modes: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Stats:
+    """Counters of reads: totals, per backend, and recent events for throughput.
+
+    Parameters
+    ----------
+    window
+        Seconds of history kept for ``throughput()`` and ``history()``.
+    """
+
+    def __init__(self, window: float = 60.0):
+        self.window = window
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every count and event."""
+        with getattr(self, "_lock", threading.Lock()):
+            self._events: collections.deque[ReadEvent] = collections.deque()
+            self._totals: dict[str, _BackendTotals] = {}
+            self._errors = 0
+            self._started = time.monotonic()
+
+    def record_read(self, *, nbytes: int, seconds: float, backend: str, mode: str, device: str) -> None:
+        """Count one completed read (called by backends)."""
+        now = time.monotonic()
+        event = ReadEvent(now, int(nbytes), float(seconds), backend, mode, device)
+        with self._lock:
+            self._events.append(event)
+            self._trim(now)
+            t = self._totals.setdefault(backend, _BackendTotals())
+            t.bytes += event.nbytes
+            t.reads += 1
+            t.seconds += event.seconds
+            t.modes[mode] += 1
+
+    def record_error(self) -> None:
+        with self._lock:
+            self._errors += 1
+
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window
+        while self._events and self._events[0].end < cutoff:
+            self._events.popleft()
+
+    def throughput(self, seconds: float = 2.0) -> float:
+        """Bytes per second completed over the last ``seconds``."""
+        now = time.monotonic()
+        with self._lock:
+            recent = sum(e.nbytes for e in reversed(self._events) if e.end >= now - seconds)
+        return recent / seconds
+
+    def history(self, bin_seconds: float = 0.5) -> dict[str, list[tuple[float, float]]]:
+        """Per backend, ``[(seconds_ago, bytes_per_second), ...]`` binned over the window."""
+        now = time.monotonic()
+        with self._lock:
+            events = list(self._events)
+        nbins = max(1, int(self.window / bin_seconds))
+        out: dict[str, list[float]] = {}
+        for e in events:
+            b = int((now - e.end) / bin_seconds)
+            if b < nbins:
+                out.setdefault(e.backend, [0.0] * nbins)[b] += e.nbytes / bin_seconds
+        return {k: [(i * bin_seconds, v[i]) for i in range(nbins)] for k, v in out.items()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of every figure, safe to read from any thread."""
+        with self._lock:
+            by_backend = {
+                name: {"bytes": t.bytes, "reads": t.reads, "seconds": t.seconds, "modes": dict(t.modes)}
+                for name, t in self._totals.items()
+            }
+            last = self._events[-1] if self._events else None
+            errors = self._errors
+        return {
+            "bytes_read": sum(b["bytes"] for b in by_backend.values()),
+            "reads": sum(b["reads"] for b in by_backend.values()),
+            "read_seconds": sum(b["seconds"] for b in by_backend.values()),
+            "errors": errors,
+            "by_backend": by_backend,
+            "throughput": self.throughput(),
+            "last_backend": last.backend if last else None,
+            "last_mode": last.mode if last else None,
+            "last_device": last.device if last else None,
+        }
+
+    def plot(self, ax: Any = None, bin_seconds: float = 0.5) -> Any:
+        """Throughput over the last ``window`` seconds, one line per backend (matplotlib)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            from gpulazy.errors import missing_dependency
+
+            raise missing_dependency("matplotlib", "notebook", "Stats.plot") from e
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3))
+        for backend, points in sorted(self.history(bin_seconds).items()):
+            ax.plot([-t for t, _ in points], [v / 1e9 for _, v in points], label=backend)
+        ax.set_xlabel("seconds ago")
+        ax.set_ylabel("GB/s")
+        ax.set_title("gpulazy read throughput")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        return ax
+
+
+_default = Stats()
+
+
+def default_stats() -> Stats:
+    """The process-wide ``Stats`` every backend records into by default."""
+    return _default
+
+
+def stats() -> Stats:
+    """The process-wide ``Stats`` (``gpulazy.stats().snapshot()``, ``.plot()``)."""
+    return _default

@@ -1,0 +1,42 @@
+"""Shared fixtures. GPU tests are marked ``gpu`` and skip, visibly, without a usable GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpulazy
+from gpulazy.device import gpu_count, gpu_unavailable_reason
+
+HAS_GPU = gpu_count() > 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {gpu_unavailable_reason()}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu, id="cuda")]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Each device name: "cpu" always, "cuda:0" as a gpu-marked case."""
+    return request.param
+
+
+def to_host(x) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array."""
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_config():
+    """Each test starts from the default config."""
+    gpulazy.config.reset()
+    yield
+    gpulazy.config.reset()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One batched run on a GPU host: the gpu test suite, the benchmarks and the notebooks,
+# with every log and JSON written under $OUT (default ./gpu-out).
+# On the offline GPU host begin with the install line of ../shared/tools/gpu-wheels.sh.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import gpulazy, subprocess
+subprocess.run(["python3", "-m", "gpulazy", "info"])
+PY
+timeout ${GPU_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" \
+  --junitxml="$OUT/gpu-junit.xml" tests 2>&1 | tee "$OUT/gpu-tests.log"
+timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+if [ -f benchmarks/bench_prefetch.py ]; then
+  timeout 120 python3 benchmarks/bench_prefetch.py --json "$OUT/prefetch.json" 2>&1 | tee "$OUT/prefetch.log"
+fi

@@ -1,0 +1,373 @@
+"""The ``gpulazy`` command: ``info``, ``bench`` and ``demo``.
+
+``gpulazy info`` says which versions, devices and backend it found and why;
+``gpulazy bench`` measures this machine's ways of reading files onto a device side by
+side; ``gpulazy demo`` runs the main job on a generated volume. Errors print one line on
+stderr and exit with status 2 (``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpulazy import _bench, config
+from gpulazy.device import Device, get_device, gpu_count, gpu_unavailable_reason
+
+__all__ = ["main", "build_parser", "collect_info"]
+
+PACKAGES = ["numpy", "dask", "distributed", "cupy", "kvikio", "torch", "tqdm"]
+EXIT_ERROR = 2
+
+
+# -- info -------------------------------------------------------------------------------
+def _version(module: str) -> str:
+    """A package's version without importing it; ``"not installed"`` when absent."""
+    try:
+        dists = importlib.metadata.packages_distributions().get(module) or [module]
+        return importlib.metadata.version(dists[0])
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _device_info(device: Device) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": device.name}
+    try:
+        row["free_bytes"], row["total_bytes"] = device.memory()
+        if device.is_gpu:
+            import cupy
+
+            props = cupy.cuda.runtime.getDeviceProperties(device.index)
+            row["model"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    except Exception as e:  # a broken driver shows as a reason, not a crash
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def _gds_status(device: Device) -> dict[str, Any]:
+    """Whether reads onto ``device`` go through GPUDirect Storage, and why not."""
+    if not device.is_gpu:
+        return {"active": False, "mode": None,
+                "reason": f"no GPU: {gpu_unavailable_reason() or 'device is cpu'}"}
+    from gpulazy.io import backend_class, get_backend
+
+    try:
+        ok, why = backend_class("kvikio").availability(device)
+    except Exception as e:
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        return {"active": False, "mode": None, "reason": f"KvikIO not usable: {why}"}
+    try:
+        mode = get_backend("kvikio", device).mode
+    except Exception as e:
+        return {"active": False, "mode": None, "reason": f"KvikIO failed to start: {type(e).__name__}: {e}"}
+    if mode == "gds":
+        return {"active": True, "mode": mode, "reason": f"cuFile/GPUDirect Storage in use ({why})"}
+    return {"active": False, "mode": mode, "reason": f"KvikIO {mode} mode: cuFile not usable ({why})"}
+
+
+def collect_info(device: str | None = None) -> dict[str, Any]:
+    """Everything ``gpulazy info`` shows, as a JSON-ready dict."""
+    from gpulazy import __version__
+    from gpulazy.io import select_backend
+
+    n = gpu_count()
+    dev = get_device(device)
+    name, because = select_backend(dev)
+    return {
+        "gpulazy": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {p: _version(p) for p in PACKAGES},
+        "gpu_count": n,
+        "gpu_unavailable_reason": gpu_unavailable_reason(),
+        "devices": [_device_info(Device("cpu"))] + [_device_info(Device("cuda", i)) for i in range(n)],
+        "device": dev.name,
+        "backend": {"name": name, "reason": because},
+        "gds": _gds_status(dev),
+        "config": {k: v for k, v in config.as_dict().items()},
+    }
+
+
+def _fmt_memory(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return row["error"]
+    model = f"{row['model']}, " if row.get("model") else ""
+    return f"{model}{_bench._fmt_bytes(row['free_bytes'])} free of {_bench._fmt_bytes(row['total_bytes'])}"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    lines = [f"gpulazy {info['gpulazy']} on Python {info['python']} ({info['platform']})", "packages:"]
+    lines += [f"  {k:<12} {v}" for k, v in info["packages"].items()]
+    lines.append("devices:")
+    lines += [f"  {d['name']:<12} {_fmt_memory(d)}" for d in info["devices"]]
+    if not info["gpu_count"]:
+        lines.append(f"  (no GPU: {info['gpu_unavailable_reason']})")
+    lines.append(f"default device: {info['device']}")
+    lines.append(f"backend (auto): {info['backend']['name']} — {info['backend']['reason']}")
+    gds = info["gds"]
+    lines.append(f"GPUDirect Storage: {'active' if gds['active'] else 'not active'} — {gds['reason']}")
+    lines.append("config (set with gpulazy.config.set(...) or GPULAZY_<KEY>):")
+    lines += [f"  {k:<15} {v!r}" for k, v in info["config"].items()]
+    return "\n".join(lines)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info(args.device)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        print(format_info(info))
+    return 0
+
+
+# -- bench ------------------------------------------------------------------------------
+def _datasets(args: argparse.Namespace, folder: str) -> list[_bench.Dataset]:
+    if args.path:
+        return [_bench.open_path(args.path)]
+    size = config.parse_bytes(args.generate)
+    files = args.files or max(1, size // (16 << 20))
+    out = [_bench.generate(os.path.join(folder, "one"), size, 1)]
+    if files > 1:
+        out.append(_bench.generate(os.path.join(folder, "many"), size, files))
+    return out
+
+
+def _bench_dir(args: argparse.Namespace) -> str:
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+        return tempfile.mkdtemp(prefix="gpulazy-bench-", dir=args.dir)
+    return tempfile.mkdtemp(prefix="gpulazy-bench-")
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the side-by-side benchmark the arguments describe; returns the JSON document."""
+    dev = get_device(args.device)
+    modes = [m for m, on in (("warm", args.warm), ("cold", args.cold)) if on] or ["warm", "cold"]
+    methods = args.methods.split(",") if args.methods else None
+    for m in methods or ():
+        if m not in _bench.METHODS:
+            raise ValueError(f"unknown method {m!r}; valid: {', '.join(_bench.METHODS)}")
+    folder = _bench_dir(args) if not args.path else ""
+    try:
+        datasets = _datasets(args, folder)
+        fs = _bench.filesystem_type(datasets[0].paths[0])
+        notes = []
+        if fs == "tmpfs" and "cold" in modes:
+            notes.append("the files are on tmpfs: cold runs cannot drop them from memory")
+        rows = _bench.run_suite(datasets, dev, modes=modes, methods=methods, repeat=args.repeat)
+    finally:
+        if folder and not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    return {"device": dev.name, "filesystem": fs, "notes": notes, "repeat": args.repeat,
+            "datasets": [ds.describe() for ds in datasets], "results": rows,
+            "ratios": _bench.ratios(rows), "info": collect_info(dev.name)}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    doc = run_bench(args)
+    print(_bench.format_table(doc["results"]))
+    for note in doc["notes"]:
+        print(f"note: {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return 0
+
+
+# -- demo -------------------------------------------------------------------------------
+def _slice_side(size: int) -> int:
+    # 2048 × 2048 uint16 slices (8 MiB), smaller for small volumes so there are >= 16.
+    side = 2048
+    while side > 64 and size // (side * side * 2) < 16:
+        side //= 2
+    return side
+
+
+def write_volume(folder: str, size: int, show_progress: bool = True) -> tuple[list[str], int, np.ndarray]:
+    """Write raw uint16 slices totalling about ``size`` bytes.
+
+    Slice ``i`` is a fixed random image plus ``(3 * i) % 60000``, so the maximum-intensity
+    projection is known without reading the files back. Returns (paths, side, expected MIP).
+    """
+    side = _slice_side(size)
+    count = max(1, size // (side * side * 2))
+    base = np.random.default_rng(0).integers(0, 4096, size=(side, side), dtype=np.uint16)
+    buf = np.empty_like(base)
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, f"slice_{i:05d}.raw") for i in range(count)]
+    for i, p in enumerate(_bench.progress(paths, desc="writing slices", unit="slice", enabled=show_progress)):
+        np.add(base, (3 * i) % 60000, out=buf)
+        buf.tofile(p)
+    top = max((3 * i) % 60000 for i in range(count))
+    return paths, side, base + np.uint16(top)
+
+
+def compute_with_progress(arr: Any, desc: str) -> Any:
+    """``arr.compute()`` with a terminal progress bar (gpulazy.widgets.ProgressBar when available)."""
+    try:
+        from gpulazy.widgets import ProgressBar
+    except Exception:  # widgets not there: a tqdm bar over dask's tasks
+        ProgressBar = None  # noqa: N806
+    if ProgressBar is not None:
+        try:
+            with ProgressBar():
+                return arr.compute()
+        except TypeError:
+            pass
+    return arr.compute(callbacks=[_TqdmCallback(desc)])
+
+
+def _TqdmCallback(desc: str) -> Any:  # noqa: N802 - a class built lazily (dask.callbacks)
+    from dask.callbacks import Callback
+
+    class TqdmCallback(Callback):
+        def _start_state(self, dsk: Any, state: Any) -> None:
+            self._bar = _bench.progress(total=sum(len(state[k]) for k in ("ready", "waiting", "running")),
+                                        desc=desc, unit="task")
+
+        def _posttask(self, key: Any, result: Any, dsk: Any, state: Any, worker_id: Any) -> None:
+            self._bar.update(1)
+
+        def _finish(self, dsk: Any, state: Any, errored: bool) -> None:
+            self._bar.close()
+
+    return TqdmCallback()
+
+
+def _read_path_summary() -> str:
+    import gpulazy
+
+    snap = gpulazy.stats().snapshot()
+    parts = [f"{b} ({', '.join(f'{m}' for m in t.get('modes', {}))})" if isinstance(t, dict) and t.get("modes")
+             else str(b) for b, t in snap.get("by_backend", {}).items()]
+    return ", ".join(parts) or str(snap.get("last_backend"))
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    import gpulazy
+
+    dev = get_device(args.device)
+    size = config.parse_bytes(args.size)
+    folder = tempfile.mkdtemp(prefix="gpulazy-demo-", dir=args.dir)
+    try:
+        t0 = time.perf_counter()
+        paths, side, expected = write_volume(folder, size)
+        write_s = time.perf_counter() - t0
+        print(f"wrote {len(paths)} slices of {side}×{side} uint16 ({_bench._fmt_bytes(len(paths) * side * side * 2)}) "
+              f"to {folder} in {write_s:.1f} s")
+        vol = gpulazy.from_files(paths, shape=(side, side), dtype="uint16", device=dev.name)
+        print(f"lazy array: shape {vol.shape}, dtype {vol.dtype}, {vol.npartitions} chunks, device {dev.name}")
+        gpulazy.stats().reset()
+        t0 = time.perf_counter()
+        data = compute_with_progress(vol, "reading")
+        dev.synchronize()
+        read_s = time.perf_counter() - t0
+        nbytes = int(data.nbytes)
+        del data
+        t0 = time.perf_counter()
+        mip = compute_with_progress(vol.max(axis=0), "max projection")
+        dev.synchronize()
+        mip_s = time.perf_counter() - t0
+        mip_host = mip.get() if hasattr(mip, "get") and not isinstance(mip, np.ndarray) else np.asarray(mip)
+        if not np.array_equal(mip_host, expected):
+            raise AssertionError("the max-intensity projection differs from the generated volume's")
+        result = {"device": dev.name, "bytes": nbytes, "files": len(paths), "slice_shape": [side, side],
+                  "read_seconds": read_s, "read_gbps": nbytes / read_s / 1e9, "mip_seconds": mip_s,
+                  "backends": _read_path_summary(), "gds": _gds_status(dev)["reason"], "folder": folder}
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    return result
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    r = run_demo(args)
+    print(f"read {_bench._fmt_bytes(r['bytes'])} onto {r['device']} in {r['read_seconds']:.2f} s: "
+          f"{r['read_gbps']:.2f} GB/s (warm page cache)")
+    print(f"max-intensity projection {r['slice_shape'][0]}×{r['slice_shape'][1]} in {r['mip_seconds']:.2f} s "
+          "(checked against the generated pattern)")
+    print(f"backend: {r['backends']}; GPUDirect Storage: {r['gds']}")
+    print(f"kept {r['folder']}" if args.keep else "removed the sample volume")
+    return 0
+
+
+# -- parser -----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpulazy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,bench,demo}")
+
+    info = sub.add_parser("info", help="versions, devices, backend and GDS status, config")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--device", help="device to report on (default: a GPU if usable, else cpu)")
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="gpulazy against the naive ways of reading files, side by side")
+    src = bench.add_mutually_exclusive_group()
+    src.add_argument("path", nargs="?", help="a file, or a folder of equally sized files, to read")
+    src.add_argument("--generate", metavar="SIZE", help="write SIZE of data (one file and N slice files) "
+                     "and read that (default: 4GiB on a GPU, 1GiB on cpu)")
+    bench.add_argument("--files", type=int, help="number of slice files for --generate (default SIZE/16MiB)")
+    bench.add_argument("--warm", action="store_true", help="only warm page-cache runs")
+    bench.add_argument("--cold", action="store_true", help="only cold runs (page cache dropped before each)")
+    bench.add_argument("--repeat", type=int, default=3, help="timed runs per method (best is reported)")
+    bench.add_argument("--methods", help=f"comma-separated subset of: {', '.join(_bench.METHODS)}")
+    bench.add_argument("--device", help="'cpu' or 'cuda:N' (default: a GPU if usable, else cpu)")
+    bench.add_argument("--dir", help="where --generate writes (default: a temporary folder)")
+    bench.add_argument("--keep", action="store_true", help="keep the generated files")
+    bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bench.set_defaults(func=cmd_bench)
+
+    demo = sub.add_parser("demo", help="read a generated volume onto the device and project it")
+    demo.add_argument("--size", default="2GiB", help="volume size (default 2GiB)")
+    demo.add_argument("--device", help="'cpu' or 'cuda:N' (default: a GPU if usable, else cpu)")
+    demo.add_argument("--dir", help="where to write the volume (default: a temporary folder)")
+    demo.add_argument("--keep", action="store_true", help="keep the generated volume")
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.command == "bench":
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+        if args.files is not None and args.files < 1:
+            raise ValueError(f"--files must be at least 1, got {args.files}")
+        if args.path and not os.path.exists(args.path):
+            raise FileNotFoundError(f"no such file or folder: {args.path!r}")
+        if not args.path and not args.generate:
+            args.generate = "4GiB" if get_device(args.device).is_gpu else "1GiB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 error, 130 interrupted)."""
+    args = build_parser().parse_args(argv)
+    try:
+        _check_args(args)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("gpulazy: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"gpulazy {args.command}: error: {msg}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -89,7 +89,7 @@ def get_backend(name: str | None = None, device: str | Device | None = None, *,
     key = (name, dev.name, threads, task_size)
     with _lock:
         backend = _instances.get(key)
-        if backend is None:
+        if backend is None or backend.closed:  # a closed instance is replaced, never handed out
             cls = backend_class(name)
             if dev.kind not in cls.devices:
                 raise BackendUnavailableError(

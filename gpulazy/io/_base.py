@@ -9,6 +9,7 @@ a short read is an error, never zeros.
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
@@ -16,11 +17,11 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from gpulazy import config
 from gpulazy.device import Device
-from gpulazy.errors import ChunkReadError
+from gpulazy.errors import BackendUnavailableError, ChunkReadError
 from gpulazy.spec import ByteRange
 from gpulazy.stats import Stats, default_stats
 
-__all__ = ["Backend", "ReadFuture", "short_read_error", "total_bytes"]
+__all__ = ["Backend", "ReadFuture", "short_read_error", "open_error", "total_bytes"]
 
 
 def total_bytes(ranges: Sequence[ByteRange]) -> int:
@@ -35,6 +36,21 @@ def short_read_error(r: ByteRange, got: int, *, backend: str, at: int | None = N
         f"got {got} ({backend} backend); the file may have been truncated or replaced after it was opened",
         path=r.path, offset=where, expected=r.nbytes, got=got,
     )
+
+
+def open_error(path: str, exc: BaseException, *, backend: str) -> ChunkReadError:
+    """The error for a file that cannot be opened for reading (missing, a directory, no permission)."""
+    if isinstance(exc, FileNotFoundError) or not os.path.lexists(path):
+        why = "no such file; check the path (and that the file was not moved or deleted)"
+    elif isinstance(exc, IsADirectoryError) or os.path.isdir(path):
+        why = "it is a directory, not a file; pass the files inside it (e.g. a glob)"
+    elif isinstance(exc, PermissionError):
+        why = "permission denied; check the file's permissions"
+    else:
+        why = f"{type(exc).__name__}: {exc}"
+    err = ChunkReadError(f"cannot open {path!r} for reading ({backend} backend): {why}", path=path)
+    err.errno = getattr(exc, "errno", None)
+    return err
 
 
 class ReadFuture:
@@ -67,6 +83,13 @@ class ReadFuture:
     @classmethod
     def completed(cls, nbytes: int) -> ReadFuture:
         return cls([], lambda _: nbytes)
+
+    @classmethod
+    def failed(cls, error: BaseException) -> ReadFuture:
+        """A future whose ``result()`` raises ``error``."""
+        part: Future = Future()
+        part.set_exception(error)
+        return cls([part], lambda values: 0)
 
 
 def _part_done(p: Any) -> bool:
@@ -102,6 +125,7 @@ class Backend(ABC):
         self.task_size = int(task_size or config.get("task_size"))
         self.stats = stats if stats is not None else default_stats()
         self.selected_because = "asked for by name"
+        self._closed = False
 
     # -- capability -------------------------------------------------------------------
     @classmethod
@@ -123,12 +147,30 @@ class Backend(ABC):
         """Read ``ranges`` concatenated into ``out`` and wait; returns bytes read."""
         return self.submit(ranges, out).result()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Release threads and buffers; the backend is not used afterwards."""
+        """Release threads and buffers.
+
+        Reads already submitted finish first. Afterwards ``submit`` and ``read_into``
+        raise ``BackendUnavailableError``; ``get_backend`` hands out a fresh instance.
+        Subclasses extend this and call ``super().close()``.
+        """
+        self._closed = True
 
     # -- helpers for subclasses ---------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailableError(
+                f"the {self.name!r} backend for {self.device.name} was closed; get a new one with "
+                f"gpulazy.io.get_backend({self.name!r}, {self.device.name!r})")
+
     def _check_out(self, ranges: Sequence[ByteRange], out: Any) -> int:
         need = total_bytes(ranges)
+        if not out.flags.c_contiguous:
+            raise ValueError("the output buffer must be contiguous (a 1-D uint8 array from Device.empty)")
         if out.nbytes < need:
             raise ValueError(f"output buffer holds {out.nbytes} bytes but the ranges need {need}")
         return need
@@ -136,6 +178,9 @@ class Backend(ABC):
     def _record(self, nbytes: int, started: float, mode: str | None = None) -> None:
         self.stats.record_read(nbytes=nbytes, seconds=time.perf_counter() - started, backend=self.name,
                                mode=mode or self.mode, device=self.device.name)
+
+    def _record_error(self) -> None:
+        self.stats.record_error()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} device={self.device.name} mode={self.mode} threads={self.threads}>"

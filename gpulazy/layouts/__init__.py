@@ -1,0 +1,95 @@
+"""Layouts: from files to ``ChunkSpec``s without reading the data.
+
+Built-ins live in one table and are imported only when used; third parties register
+through the ``gpulazy.layouts`` entry-point group (``name = "pkg.module:Class"``, a
+``Layout`` subclass). ``index(paths, ...)`` resolves the paths, picks the layout (the
+first whose ``guess_can_open`` recognises the first file; raw bytes when a ``dtype``
+is given and nothing else matches) and returns its ``Index``.
+
+>>> import numpy as np, tempfile, os
+>>> from gpulazy import layouts
+>>> p = os.path.join(tempfile.mkdtemp(), "a.npy"); np.save(p, np.zeros((4, 3), "f4"))
+>>> ix = layouts.index(p)
+>>> ix.layout, ix.shape, ix.dtype, ix.chunks
+('npy', (4, 3), dtype('float32'), ((4,), (3,)))
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from gpulazy.errors import ConfigError, LayoutError
+from gpulazy.layouts._base import Index, Layout
+from gpulazy.layouts._common import natural_key, resolve_paths
+
+__all__ = [
+    "Layout",
+    "Index",
+    "layout_names",
+    "layout_class",
+    "get_layout",
+    "guess_layout",
+    "index",
+    "resolve_paths",
+    "natural_key",
+]
+
+_BUILTIN = {
+    "npy": "gpulazy.layouts.npy:NpyLayout",
+    "raw": "gpulazy.layouts.raw:RawLayout",
+}
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group="gpulazy.layouts")}
+
+
+def layout_names() -> list[str]:
+    """Every layout name: built-ins first, then those from entry points."""
+    return list(_BUILTIN) + [n for n in _entry_points() if n not in _BUILTIN]
+
+
+def layout_class(name: str) -> type[Layout]:
+    """The ``Layout`` class registered as ``name`` (imported now)."""
+    target = _BUILTIN.get(name) or _entry_points().get(name)
+    if target is None:
+        raise ConfigError(f"unknown layout {name!r}; valid: {', '.join(map(repr, layout_names()))}")
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def get_layout(name: str | Layout) -> Layout:
+    """A layout instance for a name (or the instance itself)."""
+    if isinstance(name, Layout):
+        return name
+    return layout_class(name)()
+
+
+def guess_layout(path: str, *, dtype: Any = None) -> Layout:
+    """The layout for ``path``: the first that recognises it, else raw when ``dtype`` is given."""
+    for name in layout_names():
+        if name == "raw":
+            continue
+        cls = layout_class(name)
+        if cls.guessable and cls.guess_can_open(path):
+            return cls()
+    if dtype is not None:
+        return layout_class("raw")()
+    known = [n for n in layout_names() if n != "raw"]
+    raise LayoutError(
+        f"cannot tell how to read {path!r}: it is none of the known formats ({', '.join(known)}); "
+        "to read it as raw binary, pass dtype= (and shape=, offset= for a header)")
+
+
+def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Index:
+    """Resolve ``paths`` and index them with ``layout`` (guessed when ``None``).
+
+    Options (``shape``, ``dtype``, ``offset``, ``order``, ``chunks``) go to the layout;
+    those left as ``None`` are not passed, so each layout applies its own defaults.
+    """
+    files = resolve_paths(paths)
+    lay = get_layout(layout) if layout is not None else guess_layout(files[0], dtype=opts.get("dtype"))
+    given = {k: v for k, v in opts.items() if v is not None}
+    return lay.index(files, **given)

@@ -1,0 +1,358 @@
+"""Shared layout machinery: path resolution, chunking, byte ranges of a chunk.
+
+Raw and ``.npy`` files are both "a block of elements at an offset in a file"; one or
+several equally shaped files (stacked along a new axis 0). ``FileStack`` describes that
+and ``FileStack.index`` turns it into ChunkSpecs.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from gpulazy import config
+from gpulazy.errors import LayoutError, NoFilesError
+from gpulazy.layouts._base import Index
+from gpulazy.spec import ByteRange, ChunkSpec
+
+__all__ = [
+    "resolve_paths",
+    "natural_key",
+    "check_dtype",
+    "default_chunks",
+    "normalize_chunks",
+    "c_ranges",
+    "FileStack",
+]
+
+_DTYPE_EXAMPLES = "'uint8', 'uint16', '>u2' (big-endian), 'int32', 'float32', '<f8', 'complex64'"
+_NUMERIC_KINDS = "biufc"
+
+
+# -- paths ----------------------------------------------------------------------------
+def natural_key(path: str) -> tuple:
+    """Sort key putting ``z2`` before ``z10`` (digit runs compare as numbers)."""
+    parts = re.split(r"(\d+)", path)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), path
+
+
+def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """The files named by ``paths``: a glob, a directory, one file or a sequence of files.
+
+    A glob or a directory gives its regular files (hidden ones skipped for a directory)
+    in natural order; a sequence keeps its order. Raises ``NoFilesError`` naming the
+    pattern when nothing matches, ``LayoutError`` for a directory inside a sequence.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        return _resolve_one(os.fspath(paths))
+    try:
+        items = [os.fspath(p) for p in paths]
+    except TypeError as e:
+        raise TypeError(f"paths must be a path, a glob, a directory or a sequence of paths; got {paths!r}") from e
+    if not items:
+        raise NoFilesError("no files given: the sequence of paths is empty")
+    for p in items:
+        _check_file(p, listed=True)
+    return items
+
+
+def _resolve_one(path: str) -> list[str]:
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        names = [os.path.join(path, n) for n in os.listdir(path) if not n.startswith(".")]
+        files = sorted((p for p in names if os.path.isfile(p)), key=natural_key)
+        if not files:
+            raise NoFilesError(f"directory {path!r} holds no regular (non-hidden) files")
+        for p in files:
+            _check_readable(p)
+        return files
+    if os.path.exists(path):
+        _check_file(path, listed=False)
+        return [path]
+    if glob.has_magic(path):
+        files = sorted((p for p in glob.glob(path) if os.path.isfile(p)), key=natural_key)
+        if not files:
+            raise NoFilesError(f"no files match the pattern {path!r}")
+        for p in files:
+            _check_readable(p)
+        return files
+    raise NoFilesError(f"no such file or directory: {path!r}")
+
+
+def _check_file(path: str, *, listed: bool) -> None:
+    if os.path.isdir(path):
+        hint = ("pass the directory on its own to read every file in it" if listed
+                else "pass a file, a glob or a directory")
+        raise LayoutError(f"{path!r} is a directory where a file was expected; {hint}")
+    if not os.path.exists(path):
+        raise NoFilesError(f"no such file: {path!r}")
+    if not os.path.isfile(path):
+        raise LayoutError(f"{path!r} is not a regular file (a device, socket or pipe cannot be indexed)")
+    _check_readable(path)
+
+
+def _check_readable(path: str) -> None:
+    if not os.access(path, os.R_OK):
+        raise NoFilesError(f"file {path!r} is not readable (permission denied); check its permissions")
+
+
+# -- dtypes ---------------------------------------------------------------------------
+def check_dtype(dtype: Any, *, what: str = "dtype") -> np.dtype:
+    """``dtype`` as a NumPy dtype with its byte order, or a ``LayoutError`` listing valid ones."""
+    if dtype is None:
+        raise LayoutError(f"{what} is required; pass e.g. {_DTYPE_EXAMPLES}")
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise LayoutError(f"unknown {what} {dtype!r}; valid examples: {_DTYPE_EXAMPLES}") from e
+    if dt.kind not in _NUMERIC_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise LayoutError(
+            f"{what} {dt!r} is not supported: only plain boolean, integer, float and complex dtypes "
+            f"can be read (no object, string or structured dtypes); e.g. {_DTYPE_EXAMPLES}")
+    return dt
+
+
+def check_shape(shape: Any, *, what: str = "shape") -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        out = tuple(int(n) for n in shape)
+    except TypeError as e:
+        raise LayoutError(f"{what} must be a tuple of non-negative integers, got {shape!r}") from e
+    if any(n < 0 for n in out):
+        raise LayoutError(f"{what} must be non-negative, got {shape!r}")
+    return out
+
+
+def check_order(order: Any) -> str:
+    if order not in ("C", "F"):
+        raise LayoutError(f"order must be 'C' (row-major) or 'F' (column-major), got {order!r}")
+    return order
+
+
+# -- chunking -------------------------------------------------------------------------
+def _split(n: int, size: int) -> tuple[int, ...]:
+    """``n`` in blocks of at most ``size``, evened out (1000 by 130 → 8 × 125)."""
+    if n == 0:
+        return (0,)
+    count = -(-n // max(size, 1))
+    size = -(-n // count)
+    return (size,) * (n // size) + ((n % size,) if n % size else ())
+
+
+def slab_sizes(shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:
+    """Block sizes per axis making contiguous C-order slabs of about ``target`` bytes.
+
+    Whole planes along axis 0 (several per chunk when small); when one plane is bigger
+    than ``target``, one plane per chunk and the same rule along the next axis.
+    """
+    shape = tuple(shape)
+    if 0 in shape:
+        return shape
+    sizes = []
+    for k, n in enumerate(shape):
+        inner = math.prod(shape[k + 1:]) * itemsize
+        if inner * n <= target:
+            return tuple(sizes) + shape[k:]
+        if inner <= target:
+            return tuple(sizes) + (max(1, target // inner),) + shape[k + 1:]
+        sizes.append(1)
+    return tuple(sizes)
+
+
+def default_chunks(shape: Sequence[int], itemsize: int, *, order: str = "C", stacked: bool = False,
+                   target: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Chunks of ~``config.chunk_size`` bytes that are contiguous in the files."""
+    target = int(target or config.get("chunk_size"))
+    shape = tuple(shape)
+    if order == "F" and stacked:
+        # One file per block along axis 0 (an F-order chunk cannot span files).
+        inner = slab_sizes(shape[1:][::-1], itemsize, target)[::-1]
+        sizes = (1,) + inner
+    elif order == "F":
+        sizes = slab_sizes(shape[::-1], itemsize, target)[::-1]
+    else:
+        sizes = slab_sizes(shape, itemsize, target)
+    return tuple(_split(n, s) for n, s in zip(shape, sizes))
+
+
+def normalize_chunks(chunks: Any, shape: Sequence[int], dtype: np.dtype, *, order: str = "C",
+                     stacked: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Dask-style ``chunks`` (None/"auto", int, tuple, dict) as a tuple of tuples.
+
+    ``None`` and ``"auto"`` give ``default_chunks``; a dict fills the axes it does not
+    name from ``default_chunks``. A multi-file Fortran-order stack always gets one file
+    per block along axis 0.
+    """
+    from dask.array.core import normalize_chunks as dask_normalize
+
+    shape = tuple(shape)
+    default = default_chunks(shape, dtype.itemsize, order=order, stacked=stacked)
+    if chunks is None or (isinstance(chunks, str) and chunks == "auto"):
+        return default
+    if isinstance(chunks, dict):
+        bad = [a for a in chunks if not isinstance(a, int) or not -len(shape) <= a < len(shape)]
+        if bad:
+            raise LayoutError(f"chunks dict names axes {bad!r} outside the array's {len(shape)} axes")
+        chunks = {a % len(shape): c for a, c in chunks.items()}
+        chunks = tuple(chunks.get(a, default[a]) for a in range(len(shape)))
+    try:
+        out = dask_normalize(chunks, shape, limit=int(config.get("chunk_size")), dtype=dtype)
+    except (ValueError, TypeError) as e:
+        raise LayoutError(f"chunks {chunks!r} do not fit an array of shape {shape}: {e}") from e
+    out = tuple(tuple(int(c) for c in axis) for axis in out)
+    if order == "F" and stacked and shape and any(c != 1 for c in out[0]):
+        out = ((1,) * shape[0] if shape[0] else (0,),) + out[1:]
+    return out
+
+
+# -- byte ranges ----------------------------------------------------------------------
+def c_ranges(shape: Sequence[int], start: Sequence[int], stop: Sequence[int],
+             itemsize: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` runs, in C order, of the block ``start:stop`` of a C array.
+
+    The fewest runs: the axes after the last partial one are whole, so each run covers
+    them; one run per index of the axes before it. Adjacent runs are merged.
+    """
+    n = len(shape)
+    if n == 0:
+        return [(0, itemsize)]
+    if any(b <= a for a, b in zip(start, stop)):
+        return []
+    k = n - 1
+    while k > 0 and start[k] == 0 and stop[k] == shape[k]:
+        k -= 1
+    strides = [0] * n
+    acc = itemsize
+    for i in range(n - 1, -1, -1):
+        strides[i] = acc
+        acc *= shape[i]
+    run = (stop[k] - start[k]) * strides[k]
+    first = start[k] * strides[k]
+    if k == 0:
+        return [(first, run)]
+    outer = itertools.product(*(range(start[i] * strides[i], stop[i] * strides[i], strides[i]) for i in range(k)))
+    return coalesce((first + sum(o), run) for o in outer)
+
+
+def coalesce(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge runs that follow each other directly."""
+    out: list[tuple[int, int]] = []
+    for off, nb in runs:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + nb)
+        else:
+            out.append((off, nb))
+    return out
+
+
+def _bounds(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    edges = list(itertools.accumulate(chunks, initial=0))
+    return list(zip(edges[:-1], edges[1:]))
+
+
+# -- a stack of equally shaped files ----------------------------------------------------
+@dataclass(frozen=True)
+class FileEntry:
+    """One file: its path, where its elements start, and its identity for cache keys."""
+
+    path: str
+    offset: int
+    identity: tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class FileStack:
+    """One file (the whole array) or several files stacked along a new axis 0.
+
+    ``file_shape`` is the shape of each file's elements, stored in ``order``;
+    ``dtype`` is the file's dtype with its byte order.
+    """
+
+    files: tuple[FileEntry, ...]
+    file_shape: tuple[int, ...]
+    dtype: np.dtype
+    order: str
+    stacked: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return ((len(self.files),) + self.file_shape) if self.stacked else self.file_shape
+
+    def index(self, chunks: Any, *, layout: str) -> Index:
+        """The ``Index`` for user ``chunks`` (dask-style, or None for the default)."""
+        shape = self.shape
+        native = self.dtype.newbyteorder("=")
+        norm = normalize_chunks(chunks, shape, native, order=self.order, stacked=self.stacked)
+        specs = self._specs(norm)
+        return Index(shape=shape, dtype=native, chunks=norm, specs=specs, layout=layout,
+                     order=self.order, stacked=self.stacked, paths=tuple(f.path for f in self.files))
+
+    def _file_runs(self, inner_bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Runs of one file for a block whose per-axis bounds (within the file) are given."""
+        start = [a for a, _ in inner_bounds]
+        stop = [b for _, b in inner_bounds]
+        shape = self.file_shape
+        if self.order == "F":  # the file is the C-order array of the reversed shape
+            shape, start, stop = shape[::-1], start[::-1], stop[::-1]
+        return c_ranges(shape, start, stop, self.dtype.itemsize)
+
+    def _specs(self, chunks: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], ChunkSpec]:
+        if self.stacked:
+            return self._stacked_specs(chunks)
+        return self._single_specs(chunks)
+
+    def _single_specs(self, chunks: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], ChunkSpec]:
+        # The runs of a block depend on its position along the file's outermost axis (axis
+        # 0 of the C view, the last array axis for F order) only by a shift: compute them
+        # once per (extent there, other bounds) and shift, so 100,000 blocks stay cheap.
+        bounds = [_bounds(c) for c in chunks]
+        f = self.files[0]
+        ident = (f.identity,)
+        dt, order = self.dtype.str, self.order
+        outer = (len(chunks) - 1 if order == "F" else 0) if chunks else None
+        step = (math.prod(self.file_shape) // max(self.file_shape[outer], 1) * self.dtype.itemsize
+                if outer is not None else 0)
+        memo: dict[tuple, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
+        specs: dict[tuple[int, ...], ChunkSpec] = {}
+        path, offset = f.path, f.offset
+        blocks = itertools.product(*(range(len(b)) for b in bounds))
+        for idx, bnd in zip(blocks, itertools.product(*bounds)):
+            shift = 0
+            if outer is not None:
+                s0, e0 = bnd[outer]
+                bnd = bnd[:outer] + ((0, e0 - s0),) + bnd[outer + 1:]
+                shift = s0 * step
+            hit = memo.get(bnd)
+            if hit is None:
+                hit = memo[bnd] = (tuple([b - a for a, b in bnd]), self._file_runs(bnd))
+            shape, runs = hit
+            base = offset + shift
+            ranges = tuple([ByteRange(path, base + off, nb) for off, nb in runs])
+            specs[idx] = ChunkSpec(ranges, shape, dt, order, None, ident, idx)
+        return specs
+
+    def _stacked_specs(self, chunks: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], ChunkSpec]:
+        # The runs within a file depend only on the inner block; compute them once each.
+        bounds = [_bounds(c) for c in chunks]
+        dt, order = self.dtype.str, self.order
+        inner_runs = {}
+        for inner in itertools.product(*(range(len(b)) for b in bounds[1:])):
+            bnd = [bounds[a + 1][i] for a, i in enumerate(inner)]
+            inner_runs[inner] = (tuple(b - a for a, b in bnd), self._file_runs(bnd))
+        specs: dict[tuple[int, ...], ChunkSpec] = {}
+        for i0, (f0, f1) in enumerate(bounds[0]):
+            files = self.files[f0:f1]
+            ident = tuple(f.identity for f in files)
+            for inner, (ishape, runs) in inner_runs.items():
+                ranges = tuple([ByteRange(f.path, f.offset + off, nb) for f in files for off, nb in runs])
+                idx = (i0,) + inner
+                specs[idx] = ChunkSpec(ranges, (f1 - f0,) + ishape, dt, order, None, ident, idx)
+        return specs

@@ -1,14 +1,722 @@
-"""Placeholder: the DeviceCache is being written (issue 3)."""
+"""``DeviceCache``: a bytes-bounded LRU of decoded chunks on one device.
+
+The cache never knows how bytes were read: callers hand it a ``load(spec)`` callable
+(usually ``ChunkSource.read``). What it guarantees:
+
+- **Bounded**: the bytes of the arrays it holds, plus the bytes reserved for prefetch
+  reads in flight, never exceed ``capacity``. Room is reserved *before* an array is
+  inserted, by evicting least-recently-used entries that are not in use; when no room
+  can be made (everything pinned, or the chunk is larger than the capacity) the
+  array is handed out without being cached (read through).
+- **One read per chunk**: concurrent requests for one chunk share a single ``load``
+  through a future. If that load raises, every waiter gets the exception and nothing
+  is cached.
+- **Copies out**: every array handed out is the caller's own (a hit copies on the
+  device; a miss caches a copy and hands out the loaded array), so writing into a
+  result never corrupts the cache.
+- **Read-ahead that cannot hurt**: ``prefetch`` warms chunks on a few daemon threads,
+  skips those cached, in flight or queued, and never evicts a chunk that was
+  prefetched but not used yet to make room for another prefetch (it skips instead).
+  A prefetch read error is recorded (``stats()["errors"]``), never raised in the
+  background; a later ``get`` of that chunk reads it again and raises if it fails.
+
+Caches have names and live in a process-wide registry: pickling one gives a reference
+by name, so an array built with ``cache=DeviceCache("4 GiB")`` computes on
+``dask.distributed`` workers, each of which creates (once) its own cache of that name,
+capacity and device.
+
+>>> import numpy as np
+>>> from gpulazy.cache import DeviceCache
+>>> from gpulazy.spec import ByteRange, ChunkSpec
+>>> cache = DeviceCache("1 MiB", device="cpu")
+>>> spec = ChunkSpec((ByteRange("a.raw", 0, 32),), (4, 4), "<u2")
+>>> load = lambda s: np.arange(16, dtype="uint16").reshape(4, 4)   # any reader
+>>> int(cache.get(spec, load).sum()), int(cache.get(spec, load).sum())
+(120, 120)
+>>> s = cache.stats(); (s["hits"], s["misses"], s["bytes_held"])
+(1, 1, 32)
+>>> cache.close()
+"""
+
 from __future__ import annotations
 
+import atexit
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
 
-class DeviceCache:  # replaced by the real implementation
-    pass
+import numpy as np
+
+from gpulazy import config
+from gpulazy.device import Device, get_device
+from gpulazy.errors import ConfigError
+from gpulazy.spec import ChunkSpec
+
+__all__ = ["DeviceCache", "default_cache", "cache_by_name", "resolve_capacity"]
+
+Loader = Callable[[ChunkSpec], Any]
+
+# How long close() waits, in all, for its worker threads (a worker inside a load
+# finishes that load first; threads are daemons, so exit is never blocked for longer).
+_JOIN_SECONDS = 1.0
+_MAX_WORKERS = 8
 
 
-def default_cache(device=None):
-    return None
+def resolve_capacity(capacity: int | str, device: Device) -> int:
+    """Bytes meant by ``capacity`` on ``device``.
+
+    Parameters
+    ----------
+    capacity
+        An int (bytes), a size such as ``"8 GiB"``, or a percentage such as ``"50%"``
+        of the device's *free* memory now (``Device.memory()``).
+    device
+        The device a percentage refers to.
+
+    Examples
+    --------
+    >>> from gpulazy.device import get_device
+    >>> resolve_capacity("2 KiB", get_device("cpu"))
+    2048
+    >>> 0 < resolve_capacity("1%", get_device("cpu"))
+    True
+    """
+    if isinstance(capacity, bool):
+        raise ConfigError(f"cache capacity must be bytes, '8 GiB' or '50%', got {capacity!r}")
+    if isinstance(capacity, str) and capacity.strip().endswith("%"):
+        text = capacity.strip()[:-1]
+        try:
+            percent = float(text)
+        except ValueError as e:
+            raise ConfigError(f"cannot read cache capacity {capacity!r} as a percentage; write e.g. '25%'") from e
+        if not 0 <= percent <= 100:
+            raise ConfigError(f"cache capacity {capacity!r} must be between 0% and 100% of free device memory")
+        free, _ = device.memory()
+        return int(free * percent / 100)
+    if isinstance(capacity, float) and capacity.is_integer():
+        capacity = int(capacity)
+    return config.parse_bytes(capacity)
 
 
-def cache_by_name(name):
-    raise KeyError(name)
+class _Entry:
+    """A cached array, how many callers are copying it out, and whether it awaits its first use."""
+
+    __slots__ = ("array", "nbytes", "pins", "prefetched")
+
+    def __init__(self, array: Any, nbytes: int, prefetched: bool):
+        self.array = array
+        self.nbytes = nbytes
+        self.pins = 0
+        self.prefetched = prefetched
+
+
+class _Job:
+    """A load in flight: its future, who started it, and who waits on it."""
+
+    __slots__ = ("future", "prefetch", "waiters", "used")
+
+    def __init__(self, prefetch: bool):
+        self.future: Future = Future()
+        self.prefetch = prefetch
+        self.waiters = 0
+        self.used = False  # a get already counted this prefetch as a prefetch hit
+
+
+_COUNTERS = ("hits", "misses", "prefetched", "prefetch_hits", "prefetch_skipped", "evictions",
+             "bytes_read", "loads", "errors", "cancelled")
+
+
+def _is_compact(arr: Any) -> bool:
+    """Whether ``arr`` owns exactly its bytes (so caching it holds no hidden memory)."""
+    flags = getattr(arr, "flags", None)
+    if flags is None or not (flags.c_contiguous or flags.f_contiguous):
+        return False
+    if isinstance(arr, np.ndarray):
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        return root.base is None and root.nbytes == arr.nbytes
+    data = getattr(arr, "data", None)  # cupy: a MemoryPointer into one pool allocation
+    mem = getattr(data, "mem", None)
+    size = getattr(mem, "size", None)
+    if mem is None or size is None:
+        return False
+    # The CuPy pool rounds allocations up to 512 bytes.
+    return data.ptr == mem.ptr and 0 <= size - arr.nbytes < 512
+
+
+class DeviceCache:
+    """A thread-safe, bytes-bounded LRU cache of decoded chunks on one device.
+
+    Parameters
+    ----------
+    capacity
+        Bytes it may hold: an int, a size such as ``"8 GiB"``, or ``"50%"`` of the
+        device's free memory when the cache is created.
+    device
+        ``"cpu"``, ``"cuda:N"``, a ``Device`` or ``None`` (config, then a GPU if usable).
+    name
+        Its name in this process's registry (``cache_by_name``); a unique one is made
+        when ``None``. Two open caches cannot share a name.
+
+    Notes
+    -----
+    ``load(spec)`` must return a new array of ``spec.shape`` and ``spec.out_dtype`` on
+    this device that the cache may keep (a prefetched array is cached as it is when it
+    owns exactly its bytes, otherwise as a compact copy).
+
+    Statistics count each ``get`` once: a *miss* started a load (or read through), a
+    *hit* did not (served from the cache, or by waiting on a load already running).
+
+    After ``close()`` the cache holds nothing and ``get`` reads through (loads and
+    hands out without caching), so tasks still running finish.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gpulazy.spec import ByteRange, ChunkSpec
+    >>> cache = DeviceCache(64, device="cpu")
+    >>> specs = [ChunkSpec((ByteRange("f", 32 * i, 32),), (8,), "<i4") for i in range(3)]
+    >>> load = lambda s: np.full(8, s.ranges[0].offset, dtype="int32")
+    >>> [int(cache.get(s, load)[0]) for s in specs]      # the third evicts the first
+    [0, 32, 64]
+    >>> specs[0] in cache, specs[2] in cache, cache.bytes_held
+    (False, True, 64)
+    >>> cache.close()
+    """
+
+    def __init__(self, capacity: int | str, *, device: str | Device | None = None, name: str | None = None):
+        self.device: Device = get_device(device)
+        self._capacity_spec = capacity
+        self._capacity = resolve_capacity(capacity, self.device)
+        self.name: str = str(name) if name is not None else f"cache-{uuid.uuid4().hex[:12]}"
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # prefetch workers wait on it
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
+        self._jobs: dict[str, _Job] = {}
+        self._queue: OrderedDict[str, tuple[ChunkSpec, Loader]] = OrderedDict()
+        self._held = 0
+        self._reserved = 0
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self.reset_stats()
+        _register(self)
+
+    # --- the public surface -------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Bytes this cache may hold."""
+        return self._capacity
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of the arrays held now (the sum of their ``nbytes``)."""
+        with self._lock:
+            return self._held
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __contains__(self, spec: ChunkSpec) -> bool:
+        with self._lock:
+            return spec.key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (f"DeviceCache(name={self.name!r}, device={self.device.name!r}, "
+                f"capacity={self._capacity}, bytes_held={self._held}, entries={len(self._entries)})")
+
+    def __reduce__(self):
+        # A reference by name: the same object in this process, a cache created once
+        # per process elsewhere (each dask.distributed worker gets its own).
+        return (_cache_ref, (self.name, self._capacity_spec, self.device.name))
+
+    def get(self, spec: ChunkSpec, load: Loader) -> Any:
+        """The chunk ``spec`` as a new array the caller owns.
+
+        Parameters
+        ----------
+        spec
+            The chunk; ``spec.key`` identifies it.
+        load
+            ``load(spec) -> array``, called on a miss, once however many threads ask.
+
+        Returns
+        -------
+        array
+            NumPy or CuPy array of ``spec.shape``; writing into it leaves the cache intact.
+
+        Raises
+        ------
+        Exception
+            Whatever ``load`` raised (for every caller waiting on that load).
+        """
+        key = spec.key
+        while True:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._count_hit(key, entry, None)
+                    entry.pins += 1
+                    job = None
+                elif (job := self._jobs.get(key)) is None:
+                    job = self._start_job(key, prefetch=False)
+                    self._counts["misses"] += 1
+                    owner = True
+                else:
+                    job.waiters += 1
+                    owner = False
+            if entry is not None:
+                return self._copy_out(entry.array, entry)
+            assert job is not None
+            if owner:
+                return self._load_for_get(spec, load, job)
+            try:
+                result = job.future.result()
+            except BaseException:
+                if job.prefetch:
+                    continue  # a failed prefetch is read again on demand, and raises then
+                raise
+            with self._lock:
+                entry = self._entries.get(key)
+                self._count_hit(key, entry, job)
+                if entry is not None:
+                    entry.pins += 1
+                    result = entry.array
+            return self._copy_out(result, entry)
+
+    def read_into(self, spec: ChunkSpec, out: Any) -> bool:
+        """Copy the cached chunk ``spec`` into ``out`` if it is cached.
+
+        Parameters
+        ----------
+        spec
+            The chunk.
+        out
+            An array of ``spec.shape`` and ``spec.out_dtype`` on this cache's device.
+
+        Returns
+        -------
+        bool
+            ``True`` (and one hit counted) when it was cached and copied; ``False``
+            (nothing counted, ``out`` untouched) otherwise.
+        """
+        if tuple(out.shape) != tuple(spec.shape) or np.dtype(out.dtype) != spec.out_dtype:
+            raise ValueError(f"read_into: out has shape {tuple(out.shape)} and dtype {out.dtype}, "
+                             f"but chunk {spec.index or spec.key} is {tuple(spec.shape)} {spec.out_dtype}")
+        key = spec.key
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            self._count_hit(key, entry, None)
+            entry.pins += 1
+        try:
+            with self.device.activate():
+                self.device.xp.copyto(out, entry.array)
+        finally:
+            with self._lock:
+                entry.pins -= 1
+        return True
+
+    def prefetch(self, specs: Iterable[ChunkSpec], load: Loader) -> int:
+        """Start warming ``specs`` in the background; returns at once.
+
+        Chunks already cached (their LRU position is refreshed), in flight or queued
+        are skipped, as are chunks larger than the capacity. Worker threads (config
+        ``"threads"``, at most 8) start on first use.
+
+        Returns
+        -------
+        int
+            How many chunks were queued.
+        """
+        queued = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            for spec in specs:
+                key = spec.key
+                if key in self._entries:
+                    self._entries.move_to_end(key)  # wanted soon: evict it last
+                    continue
+                if key in self._jobs or key in self._queue:
+                    continue
+                if spec.out_nbytes > self._capacity:
+                    self._counts["prefetch_skipped"] += 1
+                    continue
+                self._queue[key] = (spec, load)
+                queued += 1
+            if queued:
+                self._start_workers()
+                self._wake.notify(queued)
+        return queued
+
+    def cancel(self, specs: Iterable[ChunkSpec] | None = None) -> int:
+        """Drop queued prefetches (all of them when ``specs`` is ``None``).
+
+        Loads already running finish. Returns how many queued prefetches were dropped.
+        """
+        with self._lock:
+            if specs is None:
+                n = len(self._queue)
+                self._queue.clear()
+            else:
+                n = sum(self._queue.pop(s.key, None) is not None for s in specs)
+            self._counts["cancelled"] += n
+        return n
+
+    def clear(self) -> None:
+        """Drop every cached array and every queued prefetch (counters are kept)."""
+        with self._lock:
+            self._counts["cancelled"] += len(self._queue)
+            self._queue.clear()
+            self._entries.clear()
+            self._held = 0
+
+    def stats(self) -> dict[str, Any]:
+        """A consistent snapshot of the counters, safe to call from any thread.
+
+        Keys: ``name``, ``device``, ``capacity``, ``bytes_held``, ``bytes_reserved``
+        (room held for prefetch reads in flight), ``entries``, ``hits``, ``misses``,
+        ``hit_rate``, ``prefetched`` (chunks warmed by prefetch), ``prefetch_hits``
+        (prefetched chunks later asked for), ``prefetch_skipped`` (no room, or larger
+        than the capacity), ``evictions``, ``loads``, ``bytes_read`` (bytes of the
+        specs loaded), ``read_seconds`` (time spent in ``load``), ``queued``,
+        ``in_flight``, ``errors`` (failed loads), ``last_error``, ``cancelled``,
+        ``closed``.
+        """
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out.update(
+                name=self.name,
+                device=self.device.name,
+                capacity=self._capacity,
+                bytes_held=self._held,
+                bytes_reserved=self._reserved,
+                entries=len(self._entries),
+                read_seconds=self._read_seconds,
+                queued=len(self._queue),
+                in_flight=len(self._jobs),
+                last_error=self._last_error,
+                closed=self._closed,
+            )
+        looked = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / looked if looked else 0.0
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the counters (what is cached stays)."""
+        with self._lock:
+            self._counts = dict.fromkeys(_COUNTERS, 0)
+            self._read_seconds = 0.0
+            self._last_error: str | None = None
+
+    def close(self) -> None:
+        """Drop everything, stop the prefetch threads and leave the registry.
+
+        Safe to call twice and from ``atexit``; waits at most about a second for
+        threads inside a load (they are daemons and finish that load alone).
+        """
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._entries.clear()
+            self._held = 0
+            self._wake.notify_all()
+            threads, self._threads = self._threads, []
+        deadline = time.monotonic() + _JOIN_SECONDS
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        _unregister(self)
+
+    # --- loading and storing ------------------------------------------------
+
+    def _start_job(self, key: str, *, prefetch: bool) -> _Job:
+        job = _Job(prefetch)
+        self._jobs[key] = job
+        self._queue.pop(key, None)  # asked for now: no need to prefetch it
+        return job
+
+    def _count_hit(self, key: str, entry: _Entry | None, job: _Job | None) -> None:
+        # Called with the lock held. A prefetched chunk counts one prefetch hit, the
+        # first time a get is served by it (from the cache or by waiting on its load).
+        self._counts["hits"] += 1
+        if entry is not None:
+            self._entries.move_to_end(key)
+        first_use = False
+        if entry is not None and entry.prefetched:
+            entry.prefetched = False
+            first_use = job is None or not job.used
+        elif entry is None and job is not None and job.prefetch and not job.used:
+            first_use = True
+        if job is not None:
+            job.used = job.used or job.prefetch
+        if first_use:
+            self._counts["prefetch_hits"] += 1
+
+    def _copy_out(self, array: Any, entry: _Entry | None) -> Any:
+        try:
+            with self.device.activate():
+                return array.copy(order="K")
+        finally:
+            if entry is not None:
+                with self._lock:
+                    entry.pins -= 1
+
+    def _load_for_get(self, spec: ChunkSpec, load: Loader, job: _Job) -> Any:
+        key = spec.key
+        try:
+            t0 = time.perf_counter()
+            array = load(spec)
+            seconds = time.perf_counter() - t0
+            cached = self._store(spec, array, seconds, job, reserved=0)
+        except BaseException as e:
+            self._fail(key, job, e)
+            raise
+        with self._lock:
+            self._jobs.pop(key, None)
+            waiters = job.waiters
+        job.future.set_result(cached if cached is not None else array)
+        if cached is None and waiters:
+            # Waiters copy from ``array``: the caller gets its own copy, not ``array``.
+            with self.device.activate():
+                return array.copy(order="K")
+        return array
+
+    def _fail(self, key: str, job: _Job, error: BaseException) -> None:
+        with self._lock:
+            if self._jobs.get(key) is job:
+                del self._jobs[key]
+            self._counts["errors"] += 1
+            self._last_error = f"{type(error).__name__}: {error}"
+        job.future.set_exception(error)
+
+    def _store(self, spec: ChunkSpec, array: Any, seconds: float, job: _Job, reserved: int) -> Any:
+        """Cache ``array`` (or a compact copy) if room can be made; the cached array or ``None``.
+
+        ``reserved`` bytes, held for this load beforehand, are given back first.
+        """
+        nbytes = int(array.nbytes)
+        with self._lock:
+            self._reserved -= reserved
+            self._counts["loads"] += 1
+            self._counts["bytes_read"] += spec.nbytes
+            self._read_seconds += seconds
+            if self._closed or not self._reserve(nbytes, prefetch=job.prefetch):
+                return None
+        # A get hands ``array`` to its caller, so the cache keeps a copy; a prefetch
+        # keeps ``array`` itself unless it holds more memory than its bytes.
+        try:
+            if job.prefetch and _is_compact(array):
+                stored = array
+            else:
+                with self.device.activate():
+                    stored = array.copy(order="K")
+                    if self.device.is_gpu:
+                        # Other threads' streams read this entry: the copy must be done.
+                        self.device.xp.cuda.get_current_stream().synchronize()
+        except BaseException:
+            with self._lock:
+                self._reserved -= nbytes
+            raise
+        with self._lock:
+            self._reserved -= nbytes
+            if self._closed:
+                return None
+            self._entries[spec.key] = _Entry(stored, nbytes, prefetched=job.prefetch and not job.used)
+            self._held += nbytes
+        return stored
+
+    def _reserve(self, nbytes: int, *, prefetch: bool) -> bool:
+        """Hold ``nbytes`` of room, evicting as needed (lock held). False if it cannot."""
+        if nbytes > self._capacity:
+            return False
+        while self._held + self._reserved + nbytes > self._capacity:
+            victim = self._victim(prefetch)
+            if victim is None:
+                return False
+            entry = self._entries.pop(victim)
+            self._held -= entry.nbytes
+            self._counts["evictions"] += 1
+        self._reserved += nbytes
+        return True
+
+    def _victim(self, prefetch: bool) -> str | None:
+        # Least recently used first, among entries not being copied out and not
+        # awaiting their first use. A prefetch never displaces a prefetched chunk;
+        # a demand read may, newest prefetch first (it is the one needed last).
+        for key, entry in self._entries.items():
+            if not entry.pins and not entry.prefetched:
+                return key
+        if prefetch:
+            return None
+        for key, entry in reversed(self._entries.items()):
+            if not entry.pins:
+                return key
+        return None
+
+    # --- prefetch workers ---------------------------------------------------
+
+    def _start_workers(self) -> None:
+        # Lock held. Threads start once, on the first prefetch.
+        if self._threads:
+            return
+        n = max(1, min(int(config.get("threads")), _MAX_WORKERS))
+        for i in range(n):
+            t = threading.Thread(target=self._work, name=f"gpulazy-cache-{self.name}-{i}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _next_prefetch(self) -> tuple[ChunkSpec, Loader, _Job, int] | None:
+        """Wait for a queued prefetch that needs a load and has room; None when closed."""
+        with self._lock:
+            while True:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return None
+                key, (spec, load) = self._queue.popitem(last=False)
+                if key in self._entries or key in self._jobs:
+                    continue
+                nbytes = spec.out_nbytes
+                if not self._reserve(nbytes, prefetch=True):
+                    self._counts["prefetch_skipped"] += 1
+                    continue
+                return spec, load, self._start_job(key, prefetch=True), nbytes
+
+    def _work(self) -> None:
+        with self.device.activate():
+            while True:
+                task = self._next_prefetch()
+                if task is None:
+                    return
+                self._prefetch_one(*task)
+
+    def _prefetch_one(self, spec: ChunkSpec, load: Loader, job: _Job, reserved: int) -> None:
+        try:
+            t0 = time.perf_counter()
+            array = load(spec)
+            seconds = time.perf_counter() - t0
+        except BaseException as e:  # recorded; a later get reads again and raises
+            with self._lock:
+                self._reserved -= reserved
+            self._fail(spec.key, job, e)
+            return
+        try:
+            stored = self._store(spec, array, seconds, job, reserved=reserved)
+        except BaseException as e:
+            self._fail(spec.key, job, e)
+            return
+        with self._lock:
+            self._jobs.pop(spec.key, None)
+            if stored is not None:
+                self._counts["prefetched"] += 1
+        job.future.set_result(stored if stored is not None else array)
+
+
+# --- the registry --------------------------------------------------------------
+
+_registry: dict[str, DeviceCache] = {}
+_registry_lock = threading.RLock()
+
+
+def _register(cache: DeviceCache) -> None:
+    with _registry_lock:
+        other = _registry.get(cache.name)
+        if other is not None and not other.closed:
+            raise ValueError(f"a DeviceCache named {cache.name!r} already exists in this process; "
+                             f"use gpulazy.cache.cache_by_name({cache.name!r}) or another name")
+        _registry[cache.name] = cache
+
+
+def _unregister(cache: DeviceCache) -> None:
+    with _registry_lock:
+        if _registry.get(cache.name) is cache:
+            del _registry[cache.name]
+
+
+def cache_by_name(name: str) -> DeviceCache:
+    """The open cache called ``name`` in this process.
+
+    Raises
+    ------
+    KeyError
+        No open cache has that name here.
+
+    Examples
+    --------
+    >>> c = DeviceCache("1 MiB", device="cpu", name="doc-example")
+    >>> cache_by_name("doc-example") is c
+    True
+    >>> c.close()
+    """
+    with _registry_lock:
+        cache = _registry.get(name)
+    if cache is None:
+        raise KeyError(f"no DeviceCache named {name!r} in this process; create it with "
+                       f"DeviceCache(capacity, name={name!r}) or pass the cache object itself")
+    return cache
+
+
+def _cache_ref(name: str, capacity: int | str, device: str) -> DeviceCache:
+    """Unpickle a cache reference: the cache of that name, created here if it is not yet."""
+    with _registry_lock:
+        cache = _registry.get(name)
+        if cache is None:
+            cache = DeviceCache(capacity, device=device, name=name)
+        return cache
+
+
+def default_cache(device: str | Device | None = None) -> DeviceCache | None:
+    """The process-wide cache for ``device``, sized by config ``"cache"``; ``None`` if that is off.
+
+    It is created on first use (a ``"25%"`` capacity is 25 % of the device's free
+    memory then) and registered as ``"default-<device>"``. The default cache follows
+    the config: when ``"cache"`` has changed since it was created, the old default
+    cache is closed (its memory freed; loads still running read through) and a new
+    one is made with the new capacity; ``cache=False`` closes it and returns ``None``.
+    Arrays read through the default cache look it up per chunk, so they all move to
+    the new one.
+
+    Examples
+    --------
+    >>> import gpulazy
+    >>> with gpulazy.config.set(cache="1 MiB"):
+    ...     default_cache("cpu").capacity
+    1048576
+    >>> with gpulazy.config.set(cache=False):
+    ...     default_cache("cpu") is None
+    True
+    """
+    spec = config.get("cache")
+    dev = get_device(device)
+    name = f"default-{dev.name}"
+    with _registry_lock:
+        current = _registry.get(name)
+        if current is not None and spec is not False and current._capacity_spec == spec:
+            return current
+        if current is not None:
+            current.close()
+        if spec is False:
+            return None
+        return DeviceCache(spec, device=dev, name=name)
+
+
+def _close_all() -> None:
+    with _registry_lock:
+        caches = list(_registry.values())
+    for cache in caches:
+        cache.close()
+
+
+atexit.register(_close_all)

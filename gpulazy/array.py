@@ -7,12 +7,28 @@ whatever process runs the task. The prefetcher recognises read tasks by that fun
 
 from __future__ import annotations
 
+import itertools
+import math
+import os
+import sys
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from gpulazy.spec import ChunkSpec
+import dask
+import dask.array as da
+import numpy as np
+from dask._task_spec import Task
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
 
-__all__ = ["from_files", "read_file", "read_files", "ChunkSource", "load_chunk"]
+from gpulazy import config
+from gpulazy.device import Device, get_device
+from gpulazy.errors import DeviceError, LayoutError
+from gpulazy.spec import ByteRange, ChunkSpec, file_identity
+
+__all__ = ["from_files", "read_file", "read_files", "GpulazyArray", "ChunkSource", "load_chunk", "read_whole"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +84,407 @@ def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
     return source.load(spec)
 
 
-def from_files(*args, **kwargs):  # placeholder until the layouts land
-    raise NotImplementedError
+# -- from_files ---------------------------------------------------------------------------
+
+def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int = 0, order: str | None = None,
+               chunks: Any = None, device: Any = None, backend: str | None = None, cache: Any = None,
+               layout: Any = None) -> GpulazyArray:
+    """A lazy Dask array over files whose chunks read straight into device memory.
+
+    Nothing is read here: the files are indexed (sizes and headers checked) and a
+    graph of one read task per chunk is built. Computing reads each chunk's bytes with
+    the I/O backend into a NumPy (``device="cpu"``) or CuPy (``"cuda:N"``) array.
+
+    Parameters
+    ----------
+    paths
+        A file, a glob (``"scan/*.raw"``), a directory (its regular, non-hidden files) or
+        a sequence of files. Globs and directories are sorted naturally (``z2`` before
+        ``z10``). Several files stack along a new axis 0.
+    shape
+        Raw files: the shape of ONE file (default: 1-D from the file size). ``.npy``
+        files: optional, checked against the header.
+    dtype
+        Raw files: required, byte order honoured (``">u2"``); chunks always come back
+        in native byte order. ``.npy``: optional, checked against the header.
+    offset
+        Raw files: bytes of header to skip at the start of every file.
+    order
+        ``"C"`` (default for raw files) or ``"F"`` element order in the files;
+        ``.npy`` files use their header's order. A multi-file Fortran-order stack has
+        one file per chunk along axis 0.
+    chunks
+        Dask-style chunks (int, tuple, dict ``{axis: size}``, ``"auto"``). Default:
+        contiguous slabs of whole planes along axis 0 of about ``config chunk_size``
+        (128 MiB), several small files per chunk for a stack.
+    device
+        ``"cpu"``, ``"cuda:N"`` or ``None`` (``config`` device, else a GPU when usable).
+    backend
+        I/O backend name (``"kvikio"``, ``"posix"``, ...) or ``None``/``"auto"``.
+    cache
+        ``None``: the default device cache; ``False``: no cache; a ``DeviceCache`` (or
+        its name): that cache.
+    layout
+        Force a layout (``"raw"``, ``"npy"`` or a registered name); default: guessed
+        from the first file's magic bytes, raw when ``dtype`` is given.
+
+    Returns
+    -------
+    GpulazyArray
+        A ``dask.array.Array`` with NumPy or CuPy ``meta``. Its graph name is
+        deterministic: the same files (path, size, mtime) give the same name.
+
+    Raises
+    ------
+    NoFilesError
+        Nothing matched ``paths``.
+    LayoutError
+        A file's size or header does not match ``shape``/``dtype``/``offset`` (the
+        message names the file, the expected and the actual bytes).
+
+    Examples
+    --------
+    >>> import gpulazy, numpy as np, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> for i in range(3):
+    ...     np.full((2, 4), i, dtype=">u2").tofile(os.path.join(d, f"z{i}.raw"))
+    >>> vol = gpulazy.from_files(os.path.join(d, "z*.raw"), shape=(2, 4), dtype=">u2",
+    ...                          device="cpu", cache=False)
+    >>> vol.shape, vol.dtype
+    ((3, 2, 4), dtype('uint16'))
+    >>> vol.sum(axis=(1, 2)).compute().tolist()
+    [0, 8, 16]
+    """
+    from gpulazy import layouts
+
+    dev = get_device(device)
+    backend = _check_backend(backend)
+    cache_name = _cache_name(cache, dev)
+    idx = layouts.index(paths, layout=layout, shape=shape, dtype=dtype, offset=offset or None, order=order,
+                        chunks=chunks)
+    source = ChunkSource(dev.name, backend, cache_name)
+    name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
+    graph = _graph(name, idx.specs, source)
+    arr = GpulazyArray(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
+    arr._gl_attach(idx, source)
+    return arr
 
 
-def read_file(*args, **kwargs):  # placeholder
-    raise NotImplementedError
+def _graph(name: str, specs: dict, source: ChunkSource) -> HighLevelGraph:
+    # Built directly, like dask's graph_from_arraylike: one data-producing task per block.
+    layer = {}
+    for idx, spec in specs.items():
+        key = (name, *idx)
+        layer[key] = Task(key, load_chunk, spec, source, _data_producer=True)
+    return HighLevelGraph.from_collections(name, layer, dependencies=())
 
 
-def read_files(*args, **kwargs):  # placeholder
-    raise NotImplementedError
+def _check_backend(backend: str | None) -> str | None:
+    if backend in (None, "", "auto"):
+        return None
+    from gpulazy.io import backend_class
+
+    backend_class(backend)  # an unknown name fails now, listing the valid ones
+    return backend
+
+
+def _cache_name(cache: Any, device: Device) -> str | None | bool:
+    """``ChunkSource.cache`` for the ``cache`` argument: None, False or a cache name."""
+    if cache is None or cache is False:
+        return cache
+    if cache is True:
+        return None
+    if isinstance(cache, str):
+        return cache
+    name = getattr(cache, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"cache must be None (the default cache), False (none), a DeviceCache or its name; "
+                        f"got {cache!r}")
+    cdev = getattr(cache, "device", None)
+    cdev_name = getattr(cdev, "name", cdev)
+    if cdev_name is not None and str(cdev_name) != device.name:
+        raise DeviceError(f"cache {name!r} holds arrays on {cdev_name!r} but the array reads onto "
+                          f"{device.name!r}; pass a cache created with device={device.name!r}")
+    return name
+
+
+class GpulazyArray(da.Array):
+    """The array ``from_files`` returns: a ``dask.array.Array`` with a fast whole-array ``compute``.
+
+    ``compute()`` of the whole array on a local scheduler (no distributed client, no
+    dask callbacks active, no options other than ``scheduler="threads"``/``"sync"``)
+    allocates the result once on the device and reads every chunk straight into its
+    slice, all reads in flight together: peak device memory is about the result's
+    size. Otherwise, and for everything derived from it (slices, reductions), dask
+    computes as usual. ``compute_path`` tells which way the last ``compute()`` went
+    (``"fast"`` or ``"dask"``).
+    """
+
+    compute_path: str | None = None
+
+    def _gl_attach(self, idx: Any, source: ChunkSource) -> None:
+        self._gl_specs = idx.specs
+        self._gl_source = source
+        self._gl_name = self.name
+        self._gl_order = "F" if idx.order == "F" and not idx.stacked else "C"
+
+    def __reduce__(self):
+        return (_rebuild, (self.dask, self.name, self.chunks, self._meta, self._gl_specs, self._gl_source,
+                           self._gl_order))
+
+    def compute(self, **kwargs: Any) -> Any:
+        """The whole array on its device; see the class docstring for the fast path."""
+        if self._fast_path_ok(kwargs):
+            self.compute_path = "fast"
+            return read_whole(self._gl_specs, self._gl_source, self.chunks, self.dtype, self._gl_order)
+        self.compute_path = "dask"
+        return super().compute(**kwargs)
+
+    def _fast_path_ok(self, kwargs: dict) -> bool:
+        if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
+            return False
+        from dask.callbacks import Callback
+
+        if Callback.active or set(kwargs) - {"scheduler"}:
+            return False
+        scheduler = kwargs.get("scheduler")
+        if scheduler is None:
+            if dask.config.get("get", None) is not None:
+                return False
+            scheduler = dask.config.get("scheduler", None)
+        if scheduler is None:
+            return not _distributed_client_active()
+        return isinstance(scheduler, str) and scheduler.lower() in _LOCAL_SCHEDULERS
+
+
+_LOCAL_SCHEDULERS = {"threads", "threading", "sync", "synchronous", "single-threaded"}
+
+
+def _rebuild(graph, name, chunks, meta, specs, source, order) -> GpulazyArray:
+    arr = GpulazyArray(graph, name, chunks, meta=meta)
+    arr._gl_specs, arr._gl_source, arr._gl_name, arr._gl_order = specs, source, name, order
+    return arr
+
+
+def _distributed_client_active() -> bool:
+    # Only look if distributed is already imported: without it no client can exist,
+    # and importing it costs a second.
+    mod = sys.modules.get("distributed")
+    if mod is None:
+        return False
+    try:
+        mod.get_client()
+    except (ValueError, AttributeError):
+        return False
+    return True
+
+
+# -- the fast whole-array read --------------------------------------------------------------
+
+def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, order: str = "C") -> Any:
+    """Every chunk of ``specs`` read into one preallocated array with dask ``chunks``.
+
+    Cache hits are copied from the cache (``cache.read_into``); misses are read straight
+    into their slice of the result (not inserted in the cache) when that slice is
+    contiguous in the chunk's element order, else into a small temporary and copied.
+    All reads are submitted before any is waited on. The first error is raised after
+    every submitted read has settled, so nothing writes into a dropped buffer.
+    """
+    from gpulazy.io import decode, submit_chunk
+
+    dev = get_device(source.device)
+    backend = source.backend_instance()
+    cache = source.cache_instance()
+    shape = tuple(sum(c) for c in chunks)
+    edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
+    with dev.activate():
+        out = dev.xp.empty(shape, dtype=dtype, order=order)
+    pending: deque = deque()
+    temp_limit = max(2 * int(config.get("chunk_size")), 256 << 20)
+    temp_bytes = 0
+    errors: list[BaseException] = []
+
+    def settle(entry) -> int:
+        future, buf, spec, target = entry
+        try:
+            future.result()
+            if not errors:
+                arr = decode(buf, spec, dev)  # byte swaps in place when needed
+                if target is not None:
+                    target[...] = arr
+        except BaseException as e:  # kept; raised once every read has settled
+            errors.append(e)
+        return spec.nbytes if target is not None else 0
+
+    with dev.activate():
+        for spec in specs.values():
+            view = out[tuple(slice(edges[a][i], edges[a][i + 1]) for a, i in enumerate(spec.index))]
+            if view.size == 0:
+                continue
+            if cache is not None and cache.read_into(spec, view):
+                continue
+            flat = _byte_view(view, spec.order)
+            try:
+                future, buf = submit_chunk(spec, backend, flat)
+            except BaseException as e:
+                errors.append(e)
+                break
+            if flat is not None:
+                pending.append((future, buf, spec, None))
+                continue
+            pending.append((future, buf, spec, view))
+            temp_bytes += spec.nbytes
+            while temp_bytes > temp_limit and pending:  # bound the temporaries in flight
+                temp_bytes -= settle(pending.popleft())
+        while pending:
+            settle(pending.popleft())
+        if errors:
+            raise errors[0]
+        dev.synchronize()
+    return out
+
+
+def _byte_view(view: Any, order: str) -> Any:
+    """A 1-D uint8 view of ``view``'s memory in the chunk's element order, or None."""
+    if order == "F":
+        if not view.flags.f_contiguous:
+            return None
+        view = view.T
+    elif not view.flags.c_contiguous:
+        return None
+    return view.reshape(-1).view(np.uint8)
+
+
+# -- read_file / read_files -----------------------------------------------------------------
+
+def read_file(path: Any, *, dtype: Any = "uint8", shape: Any = None, offset: int = 0, device: Any = None,
+              backend: str | None = None, timed: bool = False) -> Any:
+    """Read one whole file (after ``offset``) onto the device, eagerly.
+
+    Parameters
+    ----------
+    path
+        The file.
+    dtype
+        Element type; byte order honoured (the result is native).
+    shape
+        Shape of the result; default 1-D. ``offset + prod(shape) * itemsize`` must be
+        the file's size.
+    offset
+        Bytes to skip at the start.
+    device, backend
+        As in ``from_files``.
+    timed
+        Return ``(array, seconds)``: the time from the first byte asked for until the
+        array is ready on the device.
+
+    Returns
+    -------
+    numpy.ndarray or cupy.ndarray
+        (with ``timed=True``, a tuple ``(array, seconds)``).
+
+    Raises
+    ------
+    LayoutError
+        The file's size does not match ``shape``/``dtype``/``offset``.
+    ChunkReadError
+        The read failed or came back short.
+
+    Examples
+    --------
+    >>> import gpulazy, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.bin")
+    >>> np.arange(6, dtype="<f4").tofile(p)
+    >>> gpulazy.read_file(p, dtype="float32", shape=(2, 3), device="cpu")
+    array([[0., 1., 2.],
+           [3., 4., 5.]], dtype=float32)
+    """
+    dev = get_device(device)
+    spec = _whole_file_spec(_one_file(path), dtype, shape, offset)
+    from gpulazy.io import get_backend
+
+    be = get_backend(_check_backend(backend), dev)
+    started = time.perf_counter()
+    (arr,) = _read_all([spec], be, dev)
+    return (arr, time.perf_counter() - started) if timed else arr
+
+
+def read_files(paths: Any, *, dtype: Any = "uint8", shape: Any = None, offset: int = 0, device: Any = None,
+               backend: str | None = None, timed: bool = False) -> Any:
+    """Read several whole files onto the device, every read in flight before any is awaited.
+
+    ``paths`` is resolved like ``from_files`` (glob, directory, sequence). ``shape``
+    (default 1-D per file) and ``offset`` apply to every file. Returns a list of arrays
+    in the order of the files (with ``timed=True``, ``(list, seconds)``).
+
+    Examples
+    --------
+    >>> import gpulazy, numpy as np, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> for i in range(2):
+    ...     np.full(3, i, dtype="int16").tofile(os.path.join(d, f"s{i}.bin"))
+    >>> [a.tolist() for a in gpulazy.read_files(d, dtype="int16", device="cpu")]
+    [[0, 0, 0], [1, 1, 1]]
+    """
+    from gpulazy.layouts import resolve_paths
+
+    dev = get_device(device)
+    specs = [_whole_file_spec(p, dtype, shape, offset) for p in resolve_paths(paths)]
+    from gpulazy.io import get_backend
+
+    be = get_backend(_check_backend(backend), dev)
+    started = time.perf_counter()
+    arrays = _read_all(specs, be, dev)
+    return (arrays, time.perf_counter() - started) if timed else arrays
+
+
+def _one_file(path: Any) -> str:
+    from gpulazy.layouts import resolve_paths
+
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        raise LayoutError(f"{p!r} is a directory; read_file reads one file (use read_files for a directory)")
+    files = resolve_paths(p)
+    if len(files) != 1:
+        raise LayoutError(f"{p!r} names {len(files)} files; read_file reads one (use read_files)")
+    return files[0]
+
+
+def _whole_file_spec(path: str, dtype: Any, shape: Any, offset: int) -> ChunkSpec:
+    from gpulazy.layouts._common import check_dtype, check_shape
+    from gpulazy.layouts.raw import _check_offset, _shape_from_size, _size_error
+
+    dt = check_dtype(dtype)
+    offset = _check_offset(offset)
+    ident = file_identity(path)
+    size = ident[1]
+    shp = _shape_from_size(path, size, offset, dt.itemsize) if shape is None else check_shape(shape)
+    nbytes = math.prod(shp) * dt.itemsize
+    if offset + nbytes != size:
+        raise _size_error(path, size, offset + nbytes, shp, dt, offset, 1)
+    return ChunkSpec((ByteRange(path, offset, nbytes),), shp, dt.str, "C", None, (ident,), ())
+
+
+def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device) -> list[Any]:
+    from gpulazy.io import decode, submit_chunk
+
+    submitted, errors = [], []
+    with dev.activate():
+        for spec in specs:
+            try:
+                submitted.append((spec, *submit_chunk(spec, backend)))
+            except BaseException as e:
+                errors.append(e)
+                break
+        arrays = []
+        for spec, future, buf in submitted:  # every read settles before an error is raised
+            try:
+                future.result()
+                if not errors:
+                    arrays.append(decode(buf, spec, dev))
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        dev.synchronize()
+    return arrays

@@ -1,10 +1,634 @@
-"""Placeholder: read-ahead is being written (issue 3)."""
+"""Read-ahead: warm the chunks a computation reads next into the cache they are read from.
+
+Three layers, so the policy can be tested without a scheduler:
+
+- ``ReadAheadPlan`` (pure Python) decides *what* to read next from an ordered list of
+  chunk reads, a depth and a byte budget;
+- ``prefetch`` adapts it to Dask's local schedulers (``threads`` and ``sync``) as a
+  scheduler callback: the run order comes from ``dask.order.order``, read tasks are found
+  by their function (``gpulazy.array.load_chunk``), also inside fused tasks;
+- ``prefetch.install(client)`` adapts it to ``dask.distributed``: a worker plugin plans
+  from the tasks the scheduler has handed that worker (``gpulazy/_prefetch_distributed.py``).
+
+Why half the cache: a plain LRU cache evicts the entry used least recently. A chunk
+warmed ahead has not been used yet, so it is older than the chunks the scheduler has
+just consumed; if the look-ahead could fill the cache, the next insertion would evict a
+warmed chunk needed *before* the one being warmed. With at most ``budget`` bytes warmed
+and not yet used, the entries newer than the oldest such chunk hold at most
+``2 * budget`` bytes (the warmed ones, plus those consumed since it was warmed, which
+were ahead of it in the same window), so ``budget <= capacity / 2`` means eviction
+always finds an older, already-used entry first.
+
+This module imports no Dask at import time: ``import gpulazy`` imports it.
+"""
+
 from __future__ import annotations
 
+import threading
+import warnings
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
-class prefetch:  # noqa: N801
-    pass
+from gpulazy import config
+from gpulazy.spec import ChunkSpec
+
+__all__ = ["ReadAheadPlan", "find_reads", "prefetch", "Prefetcher"]
+
+#: The look-ahead never holds more than this fraction of a cache (see the module docstring).
+CACHE_FRACTION = 0.5
 
 
-class Prefetcher:
+# --------------------------------------------------------------------------- the policy
+
+
+class ReadAheadPlan:
+    """Which chunk reads to start next, given the order a scheduler will run them in.
+
+    The plan walks the reads not yet consumed (started by the scheduler), in order, and
+    keeps a *window*: at most ``depth`` reads whose decoded sizes sum to at most
+    ``budget`` bytes. Reads in the window that are neither issued already nor cached are
+    returned by ``next_reads`` and count as issued until ``consume`` says the scheduler
+    started them. So the bytes warmed and not yet used never exceed ``budget``, and a
+    read is never issued while an earlier one that is not cached waits outside the window.
+
+    Parameters
+    ----------
+    reads
+        The reads in the order they will run: ``ChunkSpec`` objects (identified by
+        ``spec.key``) or ``(read_id, spec)`` pairs.
+    depth
+        Most reads in the window.
+    budget
+        Most bytes (``spec.out_nbytes``, what the cache holds) in the window. Keep it
+        below the cache's capacity (``prefetch`` uses half of it).
+
+    Examples
+    --------
+    >>> from gpulazy.spec import ByteRange, ChunkSpec
+    >>> specs = [ChunkSpec((ByteRange("f", 100 * i, 100),), (100,), "u1") for i in range(6)]
+    >>> plan = ReadAheadPlan(specs, depth=4, budget=250)
+    >>> [s.ranges[0].offset for _, s in plan.next_reads()]       # 2 x 100 bytes fit
+    [0, 100]
+    >>> plan.consume([specs[0].key])                             # the scheduler starts chunk 0
+    >>> [s.ranges[0].offset for _, s in plan.next_reads()]
+    [200]
+    >>> plan.outstanding_bytes
+    200
+    >>> [s.ranges[0].offset for s in plan.set_order(specs[4:])]  # order changed: cancel these
+    [100, 200]
+    """
+
+    def __init__(self, reads: Iterable[ChunkSpec | tuple[Hashable, ChunkSpec]] = (), *,
+                 depth: int, budget: int):
+        if int(depth) < 0 or int(budget) < 0:
+            raise ValueError(f"depth and budget must be >= 0, got depth={depth!r}, budget={budget!r}")
+        self.depth = int(depth)
+        self.budget = int(budget)
+        self._order: list[Hashable] = []
+        self._specs: dict[Hashable, ChunkSpec] = {}
+        self._cursor = 0
+        self._consumed: set[Hashable] = set()
+        self._issued: dict[Hashable, ChunkSpec] = {}
+        #: Totals since creation, for reports and tests.
+        self.issued_total = 0
+        self.peak_outstanding_bytes = 0
+        self.set_order(reads)
+
+    # -- inputs
+
+    def set_order(self, reads: Iterable[ChunkSpec | tuple[Hashable, ChunkSpec]]) -> list[ChunkSpec]:
+        """Replace the upcoming reads; return issued reads that are no longer wanted.
+
+        The caller should cancel the returned specs (``cache.cancel(specs)``): they are
+        outside the new window, and were forgotten by the plan. Reads already consumed
+        stay consumed.
+        """
+        order: list[Hashable] = []
+        specs: dict[Hashable, ChunkSpec] = {}
+        for rid, spec in _normalise(reads):
+            if rid not in specs:
+                order.append(rid)
+                specs[rid] = spec
+        self._order, self._specs, self._cursor = order, specs, 0
+        self._consumed &= specs.keys()
+        self._advance()
+        wanted = {rid for rid, _, _ in self._window(None)}
+        stale = [rid for rid in self._issued if rid not in wanted]
+        return [self._issued.pop(rid) for rid in stale]
+
+    def consume(self, read_ids: Iterable[Hashable]) -> None:
+        """The scheduler started these reads: they leave the window (and the budget)."""
+        for rid in read_ids:
+            self._issued.pop(rid, None)
+            if rid in self._specs:
+                self._consumed.add(rid)
+        self._advance()
+
+    # -- decisions
+
+    def next_reads(self, is_cached: Callable[[ChunkSpec], bool] | None = None
+                   ) -> list[tuple[Hashable, ChunkSpec]]:
+        """The reads to start now, in order; they count as issued from now on.
+
+        ``is_cached(spec)`` says whether a chunk is already in (or on its way into) the
+        cache; such chunks are not issued but still take their place in the window,
+        since they must stay cached until used.
+        """
+        out = []
+        for rid, spec, cached in self._window(is_cached):
+            if rid not in self._issued and not cached:
+                self._issued[rid] = spec
+                out.append((rid, spec))
+        self.issued_total += len(out)
+        self.peak_outstanding_bytes = max(self.peak_outstanding_bytes, self.outstanding_bytes)
+        return out
+
+    def cancel_all(self) -> list[ChunkSpec]:
+        """Forget every issued read not yet consumed and return them (to cancel)."""
+        out = list(self._issued.values())
+        self._issued.clear()
+        return out
+
+    # -- views
+
+    @property
+    def outstanding(self) -> list[ChunkSpec]:
+        """Issued reads the scheduler has not started yet."""
+        return list(self._issued.values())
+
+    @property
+    def outstanding_bytes(self) -> int:
+        """Decoded bytes of ``outstanding``: never more than ``budget``."""
+        return sum(s.out_nbytes for s in self._issued.values())
+
+    @property
+    def remaining(self) -> int:
+        """Reads not consumed yet."""
+        return len(self._order) - len(self._consumed)
+
+    def window(self) -> list[Hashable]:
+        """Read ids in the current window (issued or not)."""
+        return [rid for rid, _, _ in self._window(None)]
+
+    def __repr__(self) -> str:
+        return (f"ReadAheadPlan(depth={self.depth}, budget={self.budget}, remaining={self.remaining}, "
+                f"outstanding={len(self._issued)} ({self.outstanding_bytes} bytes))")
+
+    # -- internals
+
+    def _advance(self) -> None:
+        while self._cursor < len(self._order) and self._order[self._cursor] in self._consumed:
+            self._cursor += 1
+
+    def _window(self, is_cached: Callable[[ChunkSpec], bool] | None
+                ) -> Iterator[tuple[Hashable, ChunkSpec, bool]]:
+        count = used = 0
+        for i in range(self._cursor, len(self._order)):
+            if count >= self.depth:
+                return
+            rid = self._order[i]
+            if rid in self._consumed:
+                continue
+            spec = self._specs[rid]
+            size = spec.out_nbytes
+            if used + size > self.budget:
+                return  # order first: nothing later jumps a chunk that does not fit
+            used += size
+            count += 1
+            cached = rid not in self._issued and is_cached is not None and is_cached(spec)
+            yield rid, spec, cached
+
+
+def _normalise(reads: Iterable[Any]) -> Iterator[tuple[Hashable, ChunkSpec]]:
+    for r in reads:
+        if isinstance(r, ChunkSpec):
+            yield r.key, r
+        else:
+            rid, spec = r
+            yield rid, spec
+
+
+# --------------------------------------------------------------------------- finding reads
+
+
+def find_reads(task: Any) -> list[tuple[ChunkSpec, Any]]:
+    """``(spec, source)`` of every ``load_chunk`` call inside one task, in order.
+
+    Understands ``dask._task_spec`` objects (``Task``, fused ``_execute_subgraph`` tasks
+    holding a dict of inner tasks, nested containers, ``DataNode`` arguments) and
+    old-style tuples, without importing Dask.
+
+    Examples
+    --------
+    >>> from gpulazy.array import ChunkSource, load_chunk
+    >>> from gpulazy.spec import ByteRange, ChunkSpec
+    >>> spec = ChunkSpec((ByteRange("f", 0, 8),), (8,), "u1")
+    >>> task = (sum, [(load_chunk, spec, ChunkSource("cpu"))])
+    >>> [(s.shape, src.device) for s, src in find_reads(task)]
+    [((8,), 'cpu')]
+    """
+    from gpulazy.array import load_chunk
+
+    out: list[tuple[ChunkSpec, Any]] = []
+    _walk(task, load_chunk, out, 0)
+    return out
+
+
+_MAX_NESTING = 64
+
+
+def _walk(obj: Any, load: Callable, out: list, depth: int) -> None:
+    if depth > _MAX_NESTING:
+        return
+    kind = type(obj)
+    if kind is tuple and obj and callable(obj[0]):  # old-style task
+        if _is_load(obj[0], load):
+            _add_read(obj[1:], {}, out)
+        else:
+            for a in obj[1:]:
+                _walk(a, load, out, depth + 1)
+    elif kind in (list, tuple, set, frozenset):
+        for a in obj:
+            _walk(a, load, out, depth + 1)
+    elif kind is dict:  # the inner graph of a fused task
+        for v in obj.values():
+            _walk(v, load, out, depth + 1)
+    else:
+        func, args = getattr(obj, "func", None), getattr(obj, "args", None)
+        if func is None or not isinstance(args, tuple):  # not a dask._task_spec.Task
+            return
+        kwargs = getattr(obj, "kwargs", None) or {}
+        if _is_load(func, load):
+            _add_read(args, kwargs, out)
+            return
+        for a in args:
+            _walk(a, load, out, depth + 1)
+        for v in kwargs.values():
+            _walk(v, load, out, depth + 1)
+
+
+def _is_load(func: Any, load: Callable) -> bool:
+    while hasattr(func, "func") and hasattr(func, "args") and not hasattr(func, "key"):
+        func = func.func  # functools.partial(load_chunk, ...)
+    return func is load
+
+
+def _literal(x: Any) -> Any:
+    # New-style graphs may wrap literal arguments in a DataNode.
+    return x.value if type(x).__name__ == "DataNode" else x
+
+
+def _add_read(args: tuple, kwargs: dict, out: list) -> None:
+    spec = _literal(args[0] if args else kwargs.get("spec"))
+    source = _literal(args[1] if len(args) > 1 else kwargs.get("source"))
+    if isinstance(spec, ChunkSpec) and source is not None:
+        out.append((spec, source))
+
+
+# --------------------------------------------------------------------------- issuing
+
+
+class ReadAhead:
+    """A ``ReadAheadPlan`` wired to the caches: issues, cancels and reports.
+
+    Shared by the local callback and the distributed worker plugin. Reads whose source
+    has no cache (``cache=False``), or another cache than ``only`` when it is given,
+    are left to their tasks.
+    """
+
+    def __init__(self, *, depth: int, capacity: int | None = None, only: Any = None):
+        self.depth = depth
+        self.capacity = capacity
+        self.only = only
+        self.plan: ReadAheadPlan | None = None
+        self._where: dict[Hashable, tuple[Any, Any]] = {}   # read id -> (source, cache)
+        self._caches: dict[Any, Any] = {}                    # source -> its cache (or None)
+        self._by_spec: dict[str, Any] = {}                   # spec.key -> cache
+        #: Local scheduler: ``{task_key: [(read_id, spec), ...]}`` (see ``plan_graph``).
+        self.by_task: dict[Any, list[tuple[Hashable, ChunkSpec]]] = {}
+        self.failed: BaseException | None = None
+
+    # -- planning
+
+    def cache_for(self, source: Any) -> Any:
+        """The cache ``source`` reads through, if read-ahead applies to it, else None."""
+        try:
+            return self._caches[source]
+        except KeyError:
+            pass
+        cache = None
+        try:
+            cache = source.cache_instance()
+        except Exception:  # a source we cannot resolve is simply not warmed
+            cache = None
+        if cache is not None and self.only is not None and cache is not self.only:
+            cache = None
+        self._caches[source] = cache
+        return cache
+
+    def budget(self) -> int:
+        """Bytes the look-ahead may hold: ``capacity``, at most half of each cache used."""
+        caps = [int(c.capacity * CACHE_FRACTION) for c in {id(c): c for c in self._caches.values()
+                                                              if c is not None}.values()]
+        if self.capacity is not None:
+            caps.append(self.capacity)
+        return min(caps) if caps else 0
+
+    def keep(self, reads: Iterable[tuple[Hashable, ChunkSpec, Any]]) -> list[tuple[Hashable, ChunkSpec]]:
+        """Record where each ``(read_id, spec, source)`` goes; return the warmable ones."""
+        out = []
+        for rid, spec, source in reads:
+            cache = self.cache_for(source)
+            if cache is None:
+                continue
+            self._where[rid] = (source, cache)
+            self._by_spec[spec.key] = cache
+            out.append((rid, spec))
+        return out
+
+    def start(self, reads: list[tuple[Hashable, ChunkSpec]]) -> None:
+        """Begin with ``reads`` in run order and issue the first window."""
+        self.plan = ReadAheadPlan(reads, depth=self.depth, budget=self.budget())
+        self.issue()
+
+    # -- events
+
+    def reorder(self, reads: list[tuple[Hashable, ChunkSpec]]) -> None:
+        """The upcoming reads changed: cancel stale prefetches, issue what is now next."""
+        if self.plan is None:
+            self.start(reads)
+            return
+        self.plan.budget = self.budget()  # a new cache may have appeared
+        self._cancel(self.plan.set_order(reads))
+        self.issue()
+
+    def started(self, read_ids: Iterable[Hashable]) -> None:
+        """The scheduler started these reads: slide the window."""
+        if self.plan is None:
+            return
+        self.plan.consume(read_ids)
+        self.issue()
+
+    def stop(self) -> int:
+        """Cancel every prefetch still queued for this plan; returns how many were cancelled."""
+        if self.plan is None:
+            return 0
+        return self._cancel(self.plan.cancel_all())
+
+    def forget(self, read_ids: Iterable[Hashable]) -> None:
+        for rid in read_ids:
+            self._where.pop(rid, None)
+
+    # -- cache calls
+
+    def issue(self) -> None:
+        if self.plan is None or self.failed is not None:
+            return
+        try:
+            # Chunks already cached are issued too: the cache skips them but moves them
+            # to the young end of its LRU, so they stay until used.
+            reads = self.plan.next_reads()
+            for (source, cache), specs in self._group(reads).items():
+                cache.prefetch(specs, source.read)
+        except Exception as e:  # read-ahead must never break the computation it serves
+            self.failed = e
+            warnings.warn(f"gpulazy.prefetch: read-ahead stopped for this computation: {e!r}",
+                          RuntimeWarning, stacklevel=2)
+
+    def _cancel(self, specs: list[ChunkSpec]) -> int:
+        n = 0
+        by_cache: dict[int, tuple[Any, list]] = {}
+        for spec in specs:
+            cache = self._by_spec.get(spec.key)
+            if cache is not None:
+                by_cache.setdefault(id(cache), (cache, []))[1].append(spec)
+        for cache, group in by_cache.values():
+            try:
+                n += int(cache.cancel(group) or 0)
+            except Exception:  # cancelling is best effort; the cache stays consistent
+                pass
+        return n
+
+    def _group(self, reads: list[tuple[Hashable, ChunkSpec]]) -> dict[tuple[Any, Any], list[ChunkSpec]]:
+        groups: dict[tuple[Any, Any], list[ChunkSpec]] = {}
+        for rid, spec in reads:
+            source, cache = self._where[rid]
+            groups.setdefault((source, _Id(cache)), []).append(spec)
+        return {(source, ref.obj): specs for (source, ref), specs in groups.items()}
+
+    def summary(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "depth": self.depth,
+            "budget": plan.budget if plan else 0,
+            "reads": len(self._where),
+            "issued": plan.issued_total if plan else 0,
+            "peak_outstanding_bytes": plan.peak_outstanding_bytes if plan else 0,
+            "error": repr(self.failed) if self.failed else None,
+        }
+
+
+class _Id:
+    """Hash a cache by identity (caches need not be hashable)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Id) and other.obj is self.obj
+
+
+# --------------------------------------------------------------------------- local scheduler
+
+
+class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():``
+    """Read ahead of Dask's local scheduler into the caches the chunk tasks read from.
+
+    While active, each computation on the ``threads`` or ``sync`` scheduler is planned
+    once (``dask.order.order`` predicts the run order); as each chunk task starts, the
+    next reads within ``depth`` chunks and the byte budget are started in the background
+    (``cache.prefetch``), so a task finds its chunk cached or on its way. Queued
+    prefetches are cancelled when the computation ends, also when it fails. Nothing runs
+    when no prefetch is active.
+
+    Parameters
+    ----------
+    depth
+        How many chunk reads to run ahead; default ``config.get("prefetch_depth")``.
+    capacity
+        Most bytes (``"2 GiB"`` or an int) of chunks read ahead and not yet used. The
+        look-ahead is further held to half of the capacity of the cache it warms, so it
+        never makes an LRU cache evict a chunk needed sooner; size the cache itself with
+        ``config.set(cache=...)`` or the array's own ``DeviceCache``.
+    cache
+        A ``DeviceCache`` (or its name): warm only the reads that go through this cache.
+        By default every read that goes through a cache is warmed, each into its own
+        (a read built with ``cache=False`` is never warmed: there is nowhere to keep it).
+
+    Notes
+    -----
+    Use ``with gpulazy.prefetch():``, ``p.register()`` / ``p.unregister()``, or per
+    computation ``x.compute(callbacks=[gpulazy.prefetch()])`` (best when several threads
+    compute at once: Dask's active callbacks are process-global). The ``processes``
+    scheduler runs tasks in other processes, whose caches this one cannot warm; for
+    ``dask.distributed`` use ``gpulazy.prefetch.install(client)``.
+
+    Examples
+    --------
+    >>> import gpulazy, numpy as np, tempfile, os
+    >>> d = tempfile.mkdtemp(); np.arange(64, dtype="uint16").tofile(os.path.join(d, "a.raw"))
+    >>> vol = gpulazy.from_files(os.path.join(d, "a.raw"), shape=(8, 8), dtype="uint16",
+    ...                          chunks=(2, 8), device="cpu")
+    >>> with gpulazy.prefetch(depth=2):
+    ...     int(vol.sum().compute())
+    2016
+    """
+
+    def __init__(self, depth: int | None = None, capacity: int | str | None = None,
+                 cache: Any = None):
+        if depth is not None and int(depth) < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {depth!r}")
+        self.depth = None if depth is None else int(depth)
+        self.capacity = None if capacity is None else config.parse_bytes(capacity)
+        self.cache = cache
+        self._runs: dict[int, ReadAhead] = {}
+        self._lock = threading.Lock()
+        #: ``ReadAhead.summary()`` of the last computation that finished.
+        self.last_summary: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"gpulazy.prefetch(depth={self.depth}, capacity={self.capacity}, cache={self.cache!r})"
+
+    # -- activation (duck-typed dask Callback: no Dask import when gpulazy is imported)
+
+    @property
+    def _callback(self) -> tuple:
+        return (None, self._start_state, self._pretask, None, self._finish)
+
+    # ``compute(callbacks=[p])`` hands ``p`` to the scheduler as a 5-tuple of hooks.
+    def __iter__(self) -> Iterator:
+        return iter(self._callback)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._callback[i]
+
+    def __len__(self) -> int:
+        return 5
+
+    def register(self) -> None:
+        """Turn read-ahead on for every local computation until ``unregister``."""
+        from dask.callbacks import Callback
+
+        Callback.active.add(self._callback)
+
+    def unregister(self) -> None:
+        """Turn it off again."""
+        from dask.callbacks import Callback
+
+        Callback.active.discard(self._callback)
+
+    def __enter__(self) -> prefetch:
+        self.register()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unregister()
+
+    # -- dask hooks
+
+    def _start_state(self, dsk: dict, state: dict) -> None:
+        depth = self.depth or config.get("prefetch_depth")
+        only = self._only_cache()
+        run = ReadAhead(depth=depth, capacity=self.capacity, only=only)
+        by_task = plan_graph(dsk, run)
+        if not by_task:
+            return
+        run.by_task = by_task
+        with self._lock:
+            self._runs[id(state)] = run
+        run.start([r for rids in by_task.values() for r in rids])
+
+    def _pretask(self, key: Any, dsk: dict, state: dict) -> None:
+        run = self._runs.get(id(state))
+        if run is not None:
+            reads = run.by_task.get(key)
+            if reads:
+                run.started(rid for rid, _ in reads)
+
+    def _finish(self, dsk: dict, state: dict, errored: bool) -> None:
+        with self._lock:
+            run = self._runs.pop(id(state), None)
+        if run is not None:
+            run.stop()
+            self.last_summary = dict(run.summary(), errored=bool(errored))
+
+    def _only_cache(self) -> Any:
+        if self.cache is None or not isinstance(self.cache, str):
+            return self.cache
+        from gpulazy.cache import cache_by_name
+
+        return cache_by_name(self.cache)
+
+    # -- dask.distributed
+
+    @staticmethod
+    def install(client: Any, depth: int | None = None, capacity: int | str | None = None, *,
+                saturation: float | str | None = "auto") -> dict[str, Any]:
+        """Read ahead on every worker of a ``dask.distributed`` cluster.
+
+        Registers a worker plugin: each worker plans from the tasks the scheduler has
+        assigned to it (in priority order) and warms their chunks into its own cache.
+        With the scheduler's default ``worker-saturation`` (1.1) a worker holds about one
+        task beyond those running, which is all it could read ahead, so by default
+        (``saturation="auto"``) the scheduler's saturation is raised to
+        ``1 + depth / nthreads`` (``nthreads`` of the smallest worker), enough for
+        ``depth`` queued tasks per worker and still bounded. Pass a number to choose it,
+        or ``None`` to leave the scheduler alone. ``uninstall`` undoes both.
+
+        Returns ``{"saturation": (before, after)}``.
+        """
+        from gpulazy._prefetch_distributed import install
+
+        return install(client, depth=depth, capacity=capacity, saturation=saturation)
+
+    @staticmethod
+    def uninstall(client: Any) -> None:
+        """Remove the worker plugin and restore the scheduler's saturation."""
+        from gpulazy._prefetch_distributed import uninstall
+
+        uninstall(client)
+
+
+def plan_graph(dsk: dict, run: ReadAhead) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
+    """Read tasks of ``dsk`` in run order: ``{task_key: [(read_id, spec), ...]}``.
+
+    Only reads that ``run`` can warm are kept; an empty result means there is nothing
+    to read ahead (and ``dask.order`` is not even called).
+    """
+    found = {}
+    for key, task in dsk.items():
+        reads = find_reads(task)
+        if reads:
+            found[key] = reads
+    if not found:
+        return {}
+    from dask.order import order
+
+    priority = order(dsk)
+    by_task: dict[Any, list[tuple[Hashable, ChunkSpec]]] = {}
+    for key in sorted(found, key=lambda k: priority.get(k, 0)):
+        kept = run.keep(((key, i), spec, source) for i, (spec, source) in enumerate(found[key]))
+        if kept:
+            by_task[key] = kept
+    return by_task
+
+
+# --------------------------------------------------------------------------- stream
+
+
+class Prefetcher:  # replaced by ``from gpulazy.stream import Prefetcher`` when the stream lands
     pass

@@ -596,11 +596,17 @@ class DeviceCache:
 
     def _work(self) -> None:
         with self.device.activate():
-            while True:
-                task = self._next_prefetch()
-                if task is None:
-                    return
-                self._prefetch_one(*task)
+            while self._work_one():
+                pass
+
+    def _work_one(self) -> bool:
+        # One prefetch per call, so nothing it loaded outlives the call in this frame
+        # (an idle worker holding an evicted array would hold memory the cache gave up).
+        task = self._next_prefetch()
+        if task is None:
+            return False
+        self._prefetch_one(*task)
+        return True
 
     def _prefetch_one(self, spec: ChunkSpec, load: Loader, job: _Job, reserved: int) -> None:
         try:
@@ -617,11 +623,11 @@ class DeviceCache:
         except BaseException as e:
             self._fail(spec.key, job, e)
             return
+        job.future.set_result(stored if stored is not None else array)
         with self._lock:
             self._jobs.pop(spec.key, None)
             if stored is not None:
                 self._counts["prefetched"] += 1
-        job.future.set_result(stored if stored is not None else array)
 
 
 # --- the registry --------------------------------------------------------------

@@ -1,0 +1,772 @@
+"""Jupyter widgets: a live ``Dashboard`` of reads, cache and memory, and a compute ``ProgressBar``.
+
+Both only *read* figures that the rest of gpulazy records (``gpulazy.stats()``, a
+``DeviceCache``'s ``stats()``, NVML); they never compute or read data. The figures are
+worked out by pure functions (``dashboard_figures``, ``sparkline_svg``, ``gpu_info``) kept
+apart from the widget plumbing, so they can be tested without a notebook.
+
+``import gpulazy.widgets`` needs neither ipywidgets nor IPython; ``Dashboard()`` needs
+ipywidgets (``pip install 'gpulazy[notebook]'``); ``ProgressBar`` falls back to tqdm.
+
+>>> import gpulazy
+>>> dash = gpulazy.widgets.Dashboard()          # doctest: +SKIP
+>>> dash                                         # doctest: +SKIP
+>>> with gpulazy.widgets.ProgressBar():          # doctest: +SKIP
+...     vol.max(axis=0).compute()
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from dask.callbacks import Callback
+
+from gpulazy.errors import missing_dependency
+from gpulazy.stats import Stats, default_stats
+
+__all__ = ["Dashboard", "ProgressBar", "dashboard_figures", "gpu_info", "sparkline_svg", "format_bytes"]
+
+_MODE_TEXT = {
+    "gds": "GPUDirect Storage",
+    "compat": "compat mode (POSIX reads through pinned host buffers, no GPUDirect Storage)",
+    "posix": "POSIX reads into host memory",
+}
+_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def format_bytes(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"?"``."""
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _import_ipywidgets(feature: str) -> Any:
+    try:
+        import ipywidgets
+    except ImportError as e:
+        raise missing_dependency("ipywidgets", "notebook", feature) from e
+    return ipywidgets
+
+
+def _in_notebook() -> bool:
+    """True inside a running Jupyter kernel (an ipykernel ZMQ shell), not a terminal IPython."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+# ----------------------------------------------------------------------------- memory figures
+
+def _host_memory() -> tuple[int, int]:
+    """``(used, total)`` bytes of host RAM; "used" excludes reclaimable page cache where known."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    available = os.sysconf("SC_AVPHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return max(total - available, 0), total
+
+
+def _cupy_pool() -> tuple[int | None, int | None]:
+    """``(in use, held)`` bytes of CuPy's default pool, if CuPy is already in use."""
+    cupy = sys.modules.get("cupy")  # never import CuPy just to look at an empty pool
+    if cupy is None:
+        return None, None
+    try:
+        pool = cupy.get_default_memory_pool()
+        return int(pool.used_bytes()), int(pool.total_bytes())
+    except Exception:
+        return None, None
+
+
+def _nvml_memory(index: int) -> tuple[int, int, str]:
+    """``(used, total, name)`` of CUDA device ``index`` from NVML, matched by PCI bus id."""
+    import pynvml
+
+    pynvml.nvmlInit()  # reference counted and cheap after the first call
+    handle = None
+    try:
+        import cupy
+
+        bus_id = cupy.cuda.Device(index).pci_bus_id  # NVML numbers devices ignoring CUDA_VISIBLE_DEVICES
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode() if isinstance(bus_id, str) else bus_id)
+    except Exception:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    name = pynvml.nvmlDeviceGetName(handle)
+    return int(mem.used), int(mem.total), name.decode() if isinstance(name, bytes) else str(name)
+
+
+def gpu_info(device: str | int | None = None) -> dict[str, Any]:
+    """Memory of the GPU chunks land on (NVML, else CuPy), or of the host without a GPU.
+
+    Parameters
+    ----------
+    device
+        ``"cuda:N"``, ``N`` or ``None`` (device 0).
+
+    Returns
+    -------
+    dict
+        ``gpu`` (bool), ``index``, ``name``, ``used``, ``total`` (bytes), ``pool_used`` and
+        ``pool_held`` (CuPy's pool, ``None`` when unknown), ``source`` (``"nvml"``,
+        ``"cupy"`` or ``"host"``) and ``reason`` (why no GPU, ``""`` with one).
+    """
+    from gpulazy.device import gpu_count, gpu_unavailable_reason
+
+    index = _device_index(device)
+    if gpu_count() == 0 or (isinstance(device, str) and device == "cpu"):
+        used, total = _host_memory()
+        reason = gpu_unavailable_reason() or "device 'cpu' was chosen"
+        return {"gpu": False, "index": None, "name": "host RAM", "used": used, "total": total,
+                "pool_used": None, "pool_held": None, "source": "host", "reason": reason}
+    pool_used, pool_held = _cupy_pool()
+    try:
+        used, total, name = _nvml_memory(index)
+        source = "nvml"
+    except Exception:  # no nvidia-ml-py, or NVML unusable in this container
+        import cupy
+
+        with cupy.cuda.Device(index):
+            free, total = cupy.cuda.runtime.memGetInfo()
+        used, total, name, source = int(total - free), int(total), f"cuda:{index}", "cupy"
+    return {"gpu": True, "index": index, "name": name, "used": used, "total": total,
+            "pool_used": pool_used, "pool_held": pool_held, "source": source, "reason": ""}
+
+
+def _device_index(device: str | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+        return int(device[5:])
+    return 0
+
+
+# ----------------------------------------------------------------------------- figures
+
+def _series(history: dict[str, list[tuple[float, float]]] | None) -> dict[str, list[float]]:
+    """``Stats.history()`` (newest bin first, bytes/s) as GB/s lists, oldest first."""
+    return {name: [v / 1e9 for _, v in reversed(points)] for name, points in sorted((history or {}).items())}
+
+
+def _mode_text(backend: str | None, mode: str | None) -> str:
+    if backend is None:
+        return "no reads yet"
+    return f"{backend}: {_MODE_TEXT.get(mode or '', mode or 'unknown mode')}"
+
+
+def _modes_text(by_backend: dict[str, dict[str, Any]]) -> str:
+    parts = []
+    for name, b in sorted(by_backend.items()):
+        modes = ", ".join(f"{m} ×{n}" for m, n in sorted(b.get("modes", {}).items()))
+        parts.append(f"{name}: {modes or 'no reads'}")
+    return "; ".join(parts) or "no reads yet"
+
+
+def _cache_figures(cs: dict[str, Any] | None) -> dict[str, Any] | None:
+    if cs is None:
+        return None
+    held, capacity = int(cs.get("bytes_held", 0)), int(cs.get("capacity", 0))
+    hits, misses = int(cs.get("hits", 0)), int(cs.get("misses", 0))
+    return {
+        "bytes_held": held,
+        "capacity": capacity,
+        "occupancy": min(held / capacity, 1.0) if capacity > 0 else 0.0,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "evictions": int(cs.get("evictions", 0)),
+        "prefetched": int(cs.get("prefetched", 0)),
+        "prefetch_hits": int(cs.get("prefetch_hits", 0)),
+        "queued": int(cs.get("queued", 0)),
+        "in_flight": int(cs.get("in_flight", 0)),
+    }
+
+
+def _memory_figures(g: dict[str, Any]) -> dict[str, Any]:
+    used, total = int(g.get("used") or 0), int(g.get("total") or 0)
+    out = dict(g)
+    out["fraction"] = min(used / total, 1.0) if total > 0 else 0.0
+    return out
+
+
+def _texts(f: dict[str, Any]) -> dict[str, str]:
+    """The labels the dashboard shows, one per part."""
+    c, m = f["cache"], f["memory"]
+    if c is None:
+        cache = "no device cache: every chunk is read from its file"
+        queue = "prefetch queue: no cache to prefetch into"
+    else:
+        rate = "n/a" if c["hit_rate"] is None else f"{100 * c['hit_rate']:.0f}%"
+        cache = (f"cache {format_bytes(c['bytes_held'])} / {format_bytes(c['capacity'])} "
+                 f"({100 * c['occupancy']:.0f}%) · hit rate {rate} "
+                 f"({c['hits']} hits, {c['misses']} misses) · {c['evictions']} evictions")
+        queue = (f"prefetch queue: {c['queued']} queued, {c['in_flight']} in flight · "
+                 f"{c['prefetched']} prefetched, {c['prefetch_hits']} used")
+    if m.get("gpu"):
+        memory = f"GPU {m.get('index')} ({m.get('name')}): {format_bytes(m['used'])} / {format_bytes(m['total'])} used"
+        if m.get("pool_held") is not None:
+            memory += f" · CuPy pool {format_bytes(m['pool_held'])} held, {format_bytes(m['pool_used'])} in use"
+    else:
+        memory = (f"no GPU found: {m.get('reason') or 'unknown'} — host RAM "
+                  f"{format_bytes(m['used'])} / {format_bytes(m['total'])} used")
+    backend = f"backend {_mode_text(f['backend'], f['mode'])}"
+    if f["device"]:
+        backend += f" on {f['device']}"
+    throughput = (f"now {f['throughput_gbps']:.2f} GB/s · {format_bytes(f['bytes_read'])} read in "
+                  f"{f['reads']} reads ({f['mean_read_gbps']:.2f} GB/s per read)")
+    if f["errors"]:
+        throughput += f" · {f['errors']} read errors"
+    return {"throughput": throughput, "cache": cache, "queue": queue, "memory": memory,
+            "backend": backend, "modes": f"reads served by: {_modes_text(f['by_backend'])}"}
+
+
+def dashboard_figures(stats_snapshot: dict[str, Any], cache_stats: dict[str, Any] | None,
+                      gpu_info: dict[str, Any], history: dict[str, list[tuple[float, float]]] | None = None,
+                      ) -> dict[str, Any]:
+    """Every figure the dashboard shows, from plain dicts (no widgets, no I/O).
+
+    Parameters
+    ----------
+    stats_snapshot
+        ``gpulazy.stats().snapshot()``.
+    cache_stats
+        ``DeviceCache.stats()``, or ``None`` without a cache.
+    gpu_info
+        ``gpulazy.widgets.gpu_info()``.
+    history
+        ``gpulazy.stats().history(bin_seconds)`` for the throughput plot.
+
+    Returns
+    -------
+    dict
+        ``throughput_gbps``, ``bytes_read``, ``reads``, ``read_seconds``, ``mean_read_gbps``,
+        ``errors``, ``backend``, ``mode``, ``device``, ``by_backend``, ``series`` (GB/s per
+        backend, oldest first), ``cache`` (``None`` or occupancy, hit rate, queue...),
+        ``queued``, ``in_flight``, ``memory`` (``gpu_info`` plus ``fraction``) and ``text``
+        (the label of each part).
+
+    Examples
+    --------
+    >>> from gpulazy.stats import Stats
+    >>> s = Stats(); s.record_read(nbytes=10**9, seconds=0.5, backend="posix", mode="posix", device="cpu")
+    >>> f = dashboard_figures(s.snapshot(), None, {"gpu": False, "used": 1, "total": 2, "reason": "none"})
+    >>> f["bytes_read"], f["mean_read_gbps"], f["backend"]
+    (1000000000, 2.0, 'posix')
+    """
+    s = stats_snapshot
+    seconds = float(s.get("read_seconds", 0.0))
+    cache = _cache_figures(cache_stats)
+    f: dict[str, Any] = {
+        "throughput_gbps": float(s.get("throughput", 0.0)) / 1e9,
+        "bytes_read": int(s.get("bytes_read", 0)),
+        "reads": int(s.get("reads", 0)),
+        "read_seconds": seconds,
+        "mean_read_gbps": s.get("bytes_read", 0) / seconds / 1e9 if seconds > 0 else 0.0,
+        "errors": int(s.get("errors", 0)),
+        "backend": s.get("last_backend"),
+        "mode": s.get("last_mode"),
+        "device": s.get("last_device"),
+        "by_backend": dict(s.get("by_backend", {})),
+        "series": _series(history),
+        "cache": cache,
+        "queued": cache["queued"] if cache else 0,
+        "in_flight": cache["in_flight"] if cache else 0,
+        "memory": _memory_figures(gpu_info),
+    }
+    f["text"] = _texts(f)
+    return f
+
+
+def sparkline_svg(series: dict[str, list[float]], *, seconds: float = 60.0, width: int = 360,
+                  height: int = 70) -> str:
+    """An inline SVG plot of GB/s over the last ``seconds``, one line per backend.
+
+    Plain markup, so it renders in a notebook, a static HTML export or a browser
+    without JavaScript or matplotlib.
+    """
+    peak = max((v for values in series.values() for v in values), default=0.0)
+    top = peak * 1.1 if peak > 0 else 1.0
+    pad, plot_h = 2, height - 16
+    parts = [f'<svg class="gpulazy-sparkline" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+             f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
+             f'aria-label="read throughput, last {seconds:.0f} s">',
+             f'<rect x="0" y="0" width="{width}" height="{plot_h}" fill="#f7f7f7" stroke="#ccc"/>']
+    for i, (name, values) in enumerate(sorted(series.items())):
+        if not values:
+            continue
+        step = (width - 2 * pad) / max(len(values) - 1, 1)
+        pts = " ".join(f"{pad + j * step:.1f},{plot_h - pad - (plot_h - 2 * pad) * v / top:.1f}"
+                       for j, v in enumerate(values))
+        color = _COLORS[i % len(_COLORS)]
+        parts.append(f'<polyline data-backend="{html.escape(name)}" fill="none" stroke="{color}" '
+                     f'stroke-width="1.5" points="{pts}"/>')
+        parts.append(f'<text x="{4 + 90 * i}" y="{height - 3}" font-size="10" fill="{color}">'
+                     f'{html.escape(name)}</text>')
+    label = f"peak {peak:.2f} GB/s" if peak > 0 else "no reads in this window"
+    parts.append(f'<text x="{width - 4}" y="11" font-size="10" text-anchor="end" fill="#555">{label}</text>')
+    parts.append(f'<text x="{width - 4}" y="{height - 3}" font-size="10" text-anchor="end" '
+                 f'fill="#555">last {seconds:.0f} s</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# ----------------------------------------------------------------------------- Dashboard
+
+class Dashboard:
+    """A live view of gpulazy: read throughput, cache, prefetch queue, memory, backend.
+
+    A daemon thread refreshes it ``1 / interval`` times a second from recorded figures
+    only (it never computes), so it stays live while the kernel is busy in ``.compute()``.
+    Errors while refreshing are kept in ``last_error`` and shown; the thread goes on.
+
+    Parameters
+    ----------
+    cache
+        A ``DeviceCache``, a cache name, or ``None`` for the default cache of the device
+        reads land on (none shown if there is no cache).
+    interval
+        Seconds between refreshes.
+    stats
+        The ``Stats`` to read (default: ``gpulazy.stats()``).
+    device
+        Whose memory to show: ``"cuda:N"`` or ``"cpu"`` (default: the device of the last
+        read, else GPU 0, else the host).
+    gpu_info
+        A callable returning a ``gpu_info()``-like dict (for tests or remote views).
+    start
+        Start the refresh thread now (else call ``start()``).
+
+    Raises
+    ------
+    OptionalDependencyError
+        Without ipywidgets: ``pip install 'gpulazy[notebook]'``.
+
+    Examples
+    --------
+    >>> dash = gpulazy.widgets.Dashboard()    # doctest: +SKIP
+    >>> dash                                   # shows it in a notebook  # doctest: +SKIP
+    >>> dash.close()                           # stops the thread  # doctest: +SKIP
+    """
+
+    def __init__(self, cache: Any = None, interval: float = 0.25, *, stats: Stats | None = None,
+                 device: str | None = None, gpu_info: Callable[[], dict[str, Any]] | None = None,
+                 start: bool = True):
+        self._w = _import_ipywidgets("gpulazy.widgets.Dashboard")
+        self.interval = float(interval)
+        self._cache = cache
+        self._stats = stats if stats is not None else default_stats()
+        self._device = device
+        self._gpu_info = gpu_info
+        self.figures: dict[str, Any] = {}
+        self.updates = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._build()
+        self.update()
+        if start:
+            self.start()
+
+    # -- widgets --------------------------------------------------------------------
+    def _part(self, cls: str, factory: Callable[..., Any], **kw: Any) -> Any:
+        w = factory(**kw)
+        w.add_class(f"gpulazy-{cls}")  # stable hooks for CSS and for browser tests
+        return w
+
+    def _build(self) -> None:
+        w = self._w
+        full = w.Layout(width="100%")
+        self.title = self._part("title", w.HTML, value="<b>gpulazy</b>")
+        self.plot = self._part("throughput-plot", w.HTML)
+        self.throughput = self._part("throughput", w.HTML)
+        self.cache_bar = self._part("cache-bar", w.FloatProgress, min=0.0, max=1.0, description="cache",
+                                    bar_style="info")
+        self.cache_label = self._part("cache", w.HTML)
+        self.queue = self._part("queue", w.HTML)
+        self.memory_bar = self._part("memory-bar", w.FloatProgress, min=0.0, max=1.0, description="memory")
+        self.memory_label = self._part("memory", w.HTML)
+        self.backend = self._part("backend", w.HTML)
+        self.modes = self._part("modes", w.HTML)
+        self.status = self._part("status", w.HTML)
+        self.widget = w.VBox(
+            [self.title, self.plot, self.throughput, w.HBox([self.cache_bar, self.cache_label]), self.queue,
+             w.HBox([self.memory_bar, self.memory_label]), self.backend, self.modes, self.status],
+            layout=full,
+        )
+        self.widget.add_class("gpulazy-dashboard")
+        self._children = [self.widget, *self.widget.children[3].children, *self.widget.children[5].children,
+                          *self.widget.children]
+
+    def _render(self, f: dict[str, Any]) -> None:
+        t = f["text"]
+        self.plot.value = sparkline_svg(f["series"], seconds=self._stats.window)
+        self.throughput.value = _span("throughput", t["throughput"], gbps=f"{f['throughput_gbps']:.4f}",
+                                      bytes_read=f["bytes_read"])
+        self.cache_bar.value = f["cache"]["occupancy"] if f["cache"] else 0.0
+        self.cache_label.value = _span("cache", t["cache"])
+        self.queue.value = _span("queue", t["queue"], queued=f["queued"], in_flight=f["in_flight"])
+        self.memory_bar.value = f["memory"]["fraction"]
+        self.memory_label.value = _span("memory", t["memory"], used=f["memory"].get("used", 0))
+        self.backend.value = _span("backend", t["backend"])
+        self.modes.value = _span("modes", t["modes"])
+
+    # -- figure sources (read only) -------------------------------------------------
+    def _cache_instance(self) -> Any:
+        if self._cache is not None and not isinstance(self._cache, str):
+            return self._cache
+        from gpulazy.cache import cache_by_name
+
+        if isinstance(self._cache, str):
+            return cache_by_name(self._cache)
+        # Look the default cache up, never create it: default_cache() would make (or
+        # replace) one, and a display must not change what it shows.
+        from gpulazy.device import get_device
+
+        try:
+            return cache_by_name(f"default-{get_device(self._current_device()).name}")
+        except KeyError:
+            return None
+
+    def _current_device(self) -> str | None:
+        return self._device or self._stats.snapshot().get("last_device")
+
+    def _read_gpu_info(self) -> dict[str, Any]:
+        if self._gpu_info is not None:
+            return self._gpu_info()
+        return gpu_info(self._current_device())
+
+    def read_figures(self) -> dict[str, Any]:
+        """Collect every figure now (what one refresh shows)."""
+        cache = self._cache_instance()
+        return dashboard_figures(self._stats.snapshot(), cache.stats() if cache is not None else None,
+                                 self._read_gpu_info(), history=self._stats.history(1.0))
+
+    # -- refreshing -------------------------------------------------------------------
+    def update(self) -> bool:
+        """Refresh once; returns False (and records ``last_error``) if that failed."""
+        if self._closed:
+            return False
+        try:
+            f = self.read_figures()
+            self._render(f)
+        except Exception as e:  # a display must never take the kernel down
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            try:
+                self.status.value = _span("status", f"dashboard refresh failed: {self.last_error}")
+            except Exception:
+                pass
+            return False
+        self.figures = f
+        self.updates += 1
+        if self.status.value:
+            self.status.value = ""
+        return True
+
+    def start(self) -> None:
+        """Start the refresh thread (a no-op if it is running)."""
+        if self._closed or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gpulazy-dashboard", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.update()
+            except BaseException as e:  # pragma: no cover - update() already catches Exception
+                self.last_error = f"{type(e).__name__}: {e}"
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the refresh thread (waits up to ``timeout`` s) and close the widgets."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._closed = True
+        for w in self._children:
+            try:
+                w.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> Dashboard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kw: Any) -> Any:
+        return self.widget._repr_mimebundle_(include=include, exclude=exclude, **kw)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self.running else "stopped")
+        return f"<gpulazy Dashboard {state}, every {self.interval} s, {self.updates} updates>"
+
+
+def _span(part: str, text: str, **data: Any) -> str:
+    """A label with machine-readable ``data-*`` figures (read by the browser test)."""
+    attrs = "".join(f' data-{k.replace("_", "-")}="{html.escape(str(v))}"' for k, v in data.items())
+    return f'<span class="gpulazy-{part}-text"{attrs}>{html.escape(text)}</span>'
+
+
+# ----------------------------------------------------------------------------- ProgressBar
+
+def _target_functions() -> tuple[Any, ...]:
+    from gpulazy.array import load_chunk
+
+    return (load_chunk,)
+
+
+def _is_target(func: Any, targets: tuple[Any, ...]) -> bool:
+    # identity, not ==: a task's first element may be an array
+    inner = getattr(func, "func", None)  # functools.partial
+    return any(func is t or inner is t for t in targets)
+
+
+def _count_reads(node: Any, targets: tuple[Any, ...], depth: int = 0) -> int:
+    """How many calls of ``targets`` a task holds, looking inside fused subgraphs."""
+    if depth > 32:
+        return 0
+    func = getattr(node, "func", None)
+    if func is not None and hasattr(node, "args"):  # dask._task_spec.Task (and List, Dict, ...)
+        n = int(_is_target(func, targets))
+        for a in node.args:
+            n += _count_reads(a, targets, depth + 1)
+        for v in (getattr(node, "kwargs", None) or {}).values():
+            n += _count_reads(v, targets, depth + 1)
+        return n
+    if isinstance(node, dict):  # a fused task's subgraph
+        return sum(_count_reads(v, targets, depth + 1) for v in node.values())
+    if isinstance(node, (list, tuple)):  # legacy tuple tasks and containers of tasks
+        n = int(bool(node) and isinstance(node, tuple) and callable(node[0]) and _is_target(node[0], targets))
+        return n + sum(_count_reads(v, targets, depth + 1) for v in node)
+    return 0
+
+
+def read_task_counts(dsk: dict[Any, Any]) -> dict[Any, int]:
+    """``{key: number of chunk reads}`` for the tasks of ``dsk`` that read chunks."""
+    targets = _target_functions()
+    counts = {}
+    for key, task in dsk.items():
+        n = _count_reads(task, targets)
+        if n:
+            counts[key] = n
+    return counts
+
+
+class ProgressBar(Callback):
+    """Progress of a dask compute: chunks read / total, bytes read, GB/s.
+
+    A ``dask.callbacks.Callback`` for the local schedulers, used like
+    ``dask.diagnostics.ProgressBar``. It counts chunk reads (``load_chunk`` tasks, also
+    inside fused tasks), or every task when the graph reads no chunk. Bytes and GB/s
+    are deltas of ``gpulazy.stats()``. Shown as an ipywidgets bar inside a Jupyter
+    kernel and as a tqdm bar elsewhere, and only if the compute lasts ``minimum`` s.
+
+    Parameters
+    ----------
+    minimum
+        Show nothing for computes shorter than this (seconds).
+    dt
+        Seconds between refreshes.
+    terminal
+        ``True``: always tqdm (the CLI uses this); ``False``: always a widget;
+        ``None``: a widget inside a Jupyter kernel, tqdm elsewhere.
+    file
+        Where tqdm writes (default ``sys.stderr``).
+    stats
+        The ``Stats`` to read bytes from (default ``gpulazy.stats()``).
+
+    Examples
+    --------
+    >>> with ProgressBar():                                   # doctest: +SKIP
+    ...     vol.max(axis=0).compute()
+    >>> vol.sum().compute(callbacks=[ProgressBar()])          # doctest: +SKIP
+    >>> pb = ProgressBar(terminal=True); pb.register()        # doctest: +SKIP
+
+    After a compute, ``done``, ``total``, ``bytes_read``, ``elapsed`` and ``gbps`` hold
+    its figures.
+    """
+
+    def __init__(self, minimum: float = 0.5, dt: float = 0.1, *, terminal: bool | None = None,
+                 file: Any = None, stats: Stats | None = None):
+        super().__init__()
+        self.minimum = float(minimum)
+        self.dt = float(dt)
+        self.terminal = terminal
+        self.file = file
+        self._stats = stats if stats is not None else default_stats()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+        self._reset()
+
+    # ``compute(callbacks=[ProgressBar()])`` wants the 5-tuple of hooks: behave as one.
+    def __iter__(self):
+        return iter(self._callback)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._callback[i]
+
+    def __len__(self) -> int:
+        return len(self._callback)
+
+    def _reset(self) -> None:
+        self.total = 0
+        self.done = 0
+        self.counting = "reads"
+        self.bytes_read = 0
+        self.gbps = 0.0
+        self.elapsed = 0.0
+        self.errored = False
+        self.last_error: str | None = None
+        self.kind: str | None = None  # "widget" or "tqdm" once shown
+        self._weights: dict[Any, int] = {}
+        self._bytes0 = 0
+        self._t0 = time.perf_counter()
+        self._bar: Any = None
+        self._widgets: Any = None
+
+    # -- dask hooks -----------------------------------------------------------------
+    def _start(self, dsk: dict[Any, Any]) -> None:
+        self._stop_timer()
+        self._reset()
+        weights = read_task_counts(dsk)
+        if not weights:
+            self.counting = "tasks"
+            weights = {k: 1 for k in dsk}
+        self._weights = weights
+        self.total = sum(weights.values())
+        self._bytes0 = int(self._stats.snapshot()["bytes_read"])
+        self._t0 = time.perf_counter()
+        self._stop.clear()
+        self._timer = threading.Thread(target=self._run, name="gpulazy-progress", daemon=True)
+        self._timer.start()
+
+    def _posttask(self, key: Any, result: Any, dsk: Any, state: Any, worker_id: Any) -> None:
+        n = self._weights.get(key, 0)
+        if n:
+            with self._lock:
+                self.done += n
+
+    def _finish(self, dsk: Any, state: Any, errored: bool) -> None:
+        self._stop_timer()
+        self.errored = bool(errored)
+        if not errored:
+            self.done = self.total  # tasks already in the cache never ran
+        self._measure()
+        if self._bar is not None or self.elapsed >= self.minimum:
+            self._draw(final=True)
+
+    # -- figures and drawing ------------------------------------------------------------
+    def _measure(self) -> None:
+        self.elapsed = time.perf_counter() - self._t0
+        self.bytes_read = max(int(self._stats.snapshot()["bytes_read"]) - self._bytes0, 0)
+        window = min(2.0, max(self.elapsed, self.dt, 1e-3))
+        recent = self._stats.throughput(window) / 1e9
+        self.gbps = recent if self.elapsed >= 2.0 else self.bytes_read / max(self.elapsed, 1e-9) / 1e9
+
+    def text(self) -> str:
+        """The one-line summary shown beside the bar."""
+        unit = "chunks" if self.counting == "reads" else "tasks"
+        return (f"{self.done}/{self.total} {unit} · {format_bytes(self.bytes_read)} read · "
+                f"{self.gbps:.2f} GB/s · {self.elapsed:.1f} s")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.dt):
+            try:
+                self._measure()
+                if self.elapsed >= self.minimum:
+                    self._draw()
+            except Exception as e:  # a progress display must never break a compute
+                self.last_error = f"{type(e).__name__}: {e}"
+
+    def _stop_timer(self) -> None:
+        self._stop.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join(1.0)
+        self._timer = None
+
+    def _use_widget(self) -> bool:
+        if self.terminal is not None:
+            return not self.terminal
+        return _in_notebook()
+
+    def _draw(self, final: bool = False) -> None:
+        try:
+            if self._bar is None:
+                self._open()
+            if self.kind == "widget":
+                self._draw_widget(final)
+            else:
+                self._draw_tqdm(final)
+        except Exception as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+
+    def _open(self) -> None:
+        if self._use_widget():
+            try:
+                w = _import_ipywidgets("gpulazy.widgets.ProgressBar")
+                from IPython.display import display
+
+                self._bar = w.IntProgress(min=0, max=max(self.total, 1), description="gpulazy")
+                self._label = w.HTML()
+                self._widgets = w.HBox([self._bar, self._label])
+                self._widgets.add_class("gpulazy-progress")
+                display(self._widgets)
+                self.kind = "widget"
+                return
+            except ImportError:
+                pass  # no ipywidgets: tqdm prints to the notebook's stderr instead
+        from tqdm.std import tqdm  # plain text: tqdm.auto would need ipywidgets in a notebook
+
+        self._bar = tqdm(total=self.total, unit=" chunks" if self.counting == "reads" else " tasks",
+                         desc="gpulazy", file=self.file, leave=True, dynamic_ncols=True)
+        self.kind = "tqdm"
+
+    def _draw_widget(self, final: bool) -> None:
+        self._bar.max = max(self.total, 1)
+        self._bar.value = self.done
+        self._label.value = html.escape(self.text())
+        if final:
+            self._bar.bar_style = "danger" if self.errored else "success"
+
+    def _draw_tqdm(self, final: bool) -> None:
+        bar = self._bar
+        if self.done > bar.n:
+            bar.update(self.done - bar.n)  # update(), not n=: tqdm's rate comes from it
+        bar.set_postfix_str(f"{format_bytes(self.bytes_read)} read, {self.gbps:.2f} GB/s", refresh=not final)
+        if final:
+            bar.close()

@@ -51,8 +51,16 @@ def _read_fully(fd: int, view: memoryview, offset: int, r: ByteRange) -> None:
     while done < n:
         got = _pread_into(fd, view[done:], offset + done)
         if got == 0:
-            raise short_read_error(r, offset + done - r.offset, backend="posix", at=offset + done)
+            raise _short(fd, r, offset + done)
         done += got
+
+
+def _short(fd: int, r: ByteRange, stopped: int) -> ChunkReadError:
+    # Byte counts from the file's size, not from this piece: pieces of one range run
+    # in any order, and each must report the same (true) number of bytes available.
+    size = os.fstat(fd).st_size
+    end = stopped if size > stopped else max(size, r.offset)
+    return short_read_error(r, end - r.offset, backend="posix", at=end)
 
 
 class _Piece:
@@ -153,8 +161,8 @@ class _Job:
 
 
 def _first_error(errors: list[BaseException]) -> BaseException:
-    # Deterministic: of several short reads report the earliest offset (its byte counts
-    # are the true ones); any other error wins over a short read.
+    # Deterministic: any other error wins over a short read; of several short reads,
+    # the one at the earliest offset.
     others = [e for e in errors if not (isinstance(e, ChunkReadError) and e.got is not None)]
     if others:
         return others[0]

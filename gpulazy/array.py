@@ -7,6 +7,7 @@ whatever process runs the task. The prefetcher recognises read tasks by that fun
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import dask
-import dask.array as da
 import numpy as np
 from dask._task_spec import Task
 from dask.base import tokenize
@@ -88,7 +88,7 @@ def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
 
 def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int = 0, order: str | None = None,
                chunks: Any = None, device: Any = None, backend: str | None = None, cache: Any = None,
-               layout: Any = None) -> GpulazyArray:
+               layout: Any = None) -> Any:
     """A lazy Dask array over files whose chunks read straight into device memory.
 
     Nothing is read here: the files are indexed (sizes and headers checked) and a
@@ -165,7 +165,7 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
     source = ChunkSource(dev.name, backend, cache_name)
     name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
     graph = _graph(name, idx.specs, source)
-    arr = GpulazyArray(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
+    arr = _array_class()(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
     arr._gl_attach(idx, source)
     return arr
 
@@ -208,60 +208,76 @@ def _cache_name(cache: Any, device: Device) -> str | None | bool:
     return name
 
 
-class GpulazyArray(da.Array):
-    """The array ``from_files`` returns: a ``dask.array.Array`` with a fast whole-array ``compute``.
+@functools.cache
+def _array_class() -> type:
+    # dask.array imports CuPy when it is installed (dask/array/chunk_types.py), so the
+    # subclass is made on first use: ``import gpulazy`` stays numpy + dask core.
+    import dask.array as da
 
-    ``compute()`` of the whole array on a local scheduler (no distributed client, no
-    dask callbacks active, no options other than ``scheduler="threads"``/``"sync"``)
-    allocates the result once on the device and reads every chunk straight into its
-    slice, all reads in flight together: peak device memory is about the result's
-    size. Otherwise, and for everything derived from it (slices, reductions), dask
-    computes as usual. ``compute_path`` tells which way the last ``compute()`` went
-    (``"fast"`` or ``"dask"``).
-    """
+    class GpulazyArray(da.Array):
+        """The array ``from_files`` returns: a ``dask.array.Array`` with a fast whole-array ``compute``.
 
-    compute_path: str | None = None
+        ``compute()`` of the whole array on a local scheduler (no distributed client, no
+        dask callbacks active, no options other than ``scheduler="threads"``/``"sync"``)
+        allocates the result once on the device and reads every chunk straight into its
+        slice, all reads in flight together: peak device memory is about the result's
+        size. Otherwise, and for everything derived from it (slices, reductions), dask
+        computes as usual. ``compute_path`` tells which way the last ``compute()`` went
+        (``"fast"`` or ``"dask"``).
+        """
 
-    def _gl_attach(self, idx: Any, source: ChunkSource) -> None:
-        self._gl_specs = idx.specs
-        self._gl_source = source
-        self._gl_name = self.name
-        self._gl_order = "F" if idx.order == "F" and not idx.stacked else "C"
+        compute_path: str | None = None
 
-    def __reduce__(self):
-        return (_rebuild, (self.dask, self.name, self.chunks, self._meta, self._gl_specs, self._gl_source,
-                           self._gl_order))
+        def _gl_attach(self, idx: Any, source: ChunkSource) -> None:
+            self._gl_specs = idx.specs
+            self._gl_source = source
+            self._gl_name = self.name
+            self._gl_order = "F" if idx.order == "F" and not idx.stacked else "C"
 
-    def compute(self, **kwargs: Any) -> Any:
-        """The whole array on its device; see the class docstring for the fast path."""
-        if self._fast_path_ok(kwargs):
-            self.compute_path = "fast"
-            return read_whole(self._gl_specs, self._gl_source, self.chunks, self.dtype, self._gl_order)
-        self.compute_path = "dask"
-        return super().compute(**kwargs)
+        def __reduce__(self):
+            return (_rebuild, (self.dask, self.name, self.chunks, self._meta, self._gl_specs, self._gl_source,
+                               self._gl_order))
 
-    def _fast_path_ok(self, kwargs: dict) -> bool:
-        if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
-            return False
-        from dask.callbacks import Callback
+        def compute(self, **kwargs: Any) -> Any:
+            """The whole array on its device; see the class docstring for the fast path."""
+            if self._fast_path_ok(kwargs):
+                self.compute_path = "fast"
+                return read_whole(self._gl_specs, self._gl_source, self.chunks, self.dtype, self._gl_order)
+            self.compute_path = "dask"
+            return super().compute(**kwargs)
 
-        if Callback.active or set(kwargs) - {"scheduler"}:
-            return False
-        scheduler = kwargs.get("scheduler")
-        if scheduler is None:
-            if dask.config.get("get", None) is not None:
+        def _fast_path_ok(self, kwargs: dict) -> bool:
+            if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
                 return False
-            scheduler = dask.config.get("scheduler", None)
-        if scheduler is None:
-            return not _distributed_client_active()
-        return isinstance(scheduler, str) and scheduler.lower() in _LOCAL_SCHEDULERS
+            from dask.callbacks import Callback
+
+            if Callback.active or set(kwargs) - {"scheduler"}:
+                return False
+            scheduler = kwargs.get("scheduler")
+            if scheduler is None:
+                if dask.config.get("get", None) is not None:
+                    return False
+                scheduler = dask.config.get("scheduler", None)
+            if scheduler is None:
+                return not _distributed_client_active()
+            return isinstance(scheduler, str) and scheduler.lower() in _LOCAL_SCHEDULERS
+
+    GpulazyArray.__module__ = __name__
+    GpulazyArray.__qualname__ = "GpulazyArray"
+    return GpulazyArray
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GpulazyArray":
+        return _array_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _LOCAL_SCHEDULERS = {"threads", "threading", "sync", "synchronous", "single-threaded"}
 
 
-def _rebuild(graph, name, chunks, meta, specs, source, order) -> GpulazyArray:
-    arr = GpulazyArray(graph, name, chunks, meta=meta)
+def _rebuild(graph, name, chunks, meta, specs, source, order) -> Any:
+    arr = _array_class()(graph, name, chunks, meta=meta)
     arr._gl_specs, arr._gl_source, arr._gl_name, arr._gl_order = specs, source, name, order
     return arr
 

@@ -82,7 +82,7 @@ def _size_error(path: str, actual: int, expected: int, shape: tuple[int, ...], d
     what = "each file" if nfiles > 1 else "the file"
     hint = ""
     extra = actual - expected
-    if extra > 0 and extra < expected and offset == 0:
+    if extra > 0 and offset == 0:
         hint = f"; if the file starts with a {extra}-byte header, pass offset={extra}"
     return LayoutError(
         f"file {path!r} has {actual} bytes but {expected} were expected "

@@ -311,20 +311,17 @@ def _kvikio(ds: Dataset, device: Device) -> Any:
     return bufs
 
 
-def gpulazy_array(ds: Dataset, device: Device) -> Any:
+def gpulazy_array(ds: Dataset, device: Device, cache: Any = None) -> Any:
     """The lazy array gpulazy builds for ``ds`` (one file: 1-D; many files: stacked)."""
     import gpulazy
 
     paths = ds.paths[0] if ds.scenario == "one file" else ds.paths
-    return gpulazy.from_files(paths, shape=ds.file_shape, dtype=ds.dtype, device=device.name)
+    return gpulazy.from_files(paths, shape=ds.file_shape, dtype=ds.dtype, device=device.name, cache=cache)
 
 
 def _gpulazy(ds: Dataset, device: Device) -> Any:
-    import gpulazy
-
     # No device cache: every timed run must read the files (cold runs would hit it).
-    with gpulazy.config.set(cache=False):
-        out = gpulazy_array(ds, device).compute()
+    out = gpulazy_array(ds, device, cache=False).compute()
     device.synchronize()
     return out
 
@@ -504,37 +501,35 @@ def _not_for_device(row: dict[str, Any]) -> bool:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A text table: one block per scenario, a line per method, warm and cold GB/s, gpulazy's ratio."""
+    """A text table: one block per scenario, a line per method, GB/s per mode, gpulazy's ratios."""
     lines = []
     rats = {(r["scenario"], r["mode"], r["versus"]): r["ratio"] for r in ratios(rows)}
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
         block = [r for r in rows if r["scenario"] == scenario]
+        modes = [m for m in ("warm", "cold") if any(r["mode"] == m for r in block)]
         first = block[0]
         lines.append(f"{scenario}: {_fmt_bytes(first['nbytes'])} in {first['files']} file(s), "
                      f"device {first['device']}")
-        lines.append(f"  {'method':<52} {'warm GB/s':>10} {'cold GB/s':>10}   gpulazy/this (warm, cold)")
+        lines.append(f"  {'method':<52}" + "".join(f"{m + ' GB/s':>11}" for m in modes)
+                     + f"   gpulazy/this ({', '.join(modes)})")
         for name in dict.fromkeys(r["method"] for r in block if not _not_for_device(r)):
             cells, ratio_cells, label, notes = [], [], name, []
-            for mode in ("warm", "cold"):
+            for mode in modes:
                 r = next((x for x in block if x["method"] == name and x["mode"] == mode), None)
-                if r is None:
-                    cells.append("")
-                    ratio_cells.append("")
-                    continue
-                label = r["label"]
-                if r.get("gbps"):
+                label = r["label"] if r else label
+                if r and r.get("gbps"):
                     cells.append(f"{r['gbps']:.2f}")
-                elif r.get("error"):
+                elif r and r.get("error"):
                     cells.append("error")
                     notes.append(f"{mode}: {r['error']}")
                 else:
                     cells.append("—")
-                    if r.get("skipped") and not r["skipped"].startswith("not a"):
+                    if r and r.get("skipped") and not r["skipped"].startswith("not a"):
                         notes.append(r["skipped"])
                 ratio = rats.get((scenario, mode, name))
                 ratio_cells.append(f"{ratio:.2f}×" if ratio else "—")
             ratio_text = "" if name == "gpulazy" else ", ".join(ratio_cells)
-            lines.append(f"  {label:<52} {cells[0]:>10} {cells[1]:>10}   {ratio_text}")
+            lines.append(f"  {label:<52}" + "".join(f"{c:>11}" for c in cells) + f"   {ratio_text}")
             for note in dict.fromkeys(notes):
                 lines.append(f"      ({note})")
         for r in block:

@@ -9,6 +9,7 @@ stderr and exit with status 2 (``--debug`` shows the traceback).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -32,10 +33,15 @@ EXIT_ERROR = 2
 
 
 # -- info -------------------------------------------------------------------------------
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()  # scans every installed package: once
+
+
 def _version(module: str) -> str:
     """A package's version without importing it; ``"not installed"`` when absent."""
     try:
-        dists = importlib.metadata.packages_distributions().get(module) or [module]
+        dists = _distributions().get(module) or [module]
         return importlib.metadata.version(dists[0])
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
@@ -223,10 +229,11 @@ def compute_with_progress(arr: Any, desc: str) -> Any:
         ProgressBar = None  # noqa: N806
     if ProgressBar is not None:
         try:
-            with ProgressBar():
-                return arr.compute()
+            bar = ProgressBar(terminal=True)
         except TypeError:
-            pass
+            bar = None
+        if bar is not None:
+            return arr.compute(callbacks=[bar])
     return arr.compute(callbacks=[_TqdmCallback(desc)])
 
 

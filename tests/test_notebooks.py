@@ -1,0 +1,113 @@
+"""Every notebook in notebooks/ runs top to bottom (CPU-only here) in well under a minute.
+
+The notebooks assert their own results (a MIP equal to NumPy's, hit counts, ...), so a
+wrong figure fails the cell and this test. Executed copies are written to
+``test-artifacts/notebooks/`` for a look.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
+EXPECTED = ["01-quickstart", "02-prefetch", "03-formats", "04-torch-jax"]
+
+
+def ensure_python3_kernel() -> str:
+    """The ``python3`` kernel of this interpreter, installed into ``sys.prefix`` if missing.
+
+    jupyter_client starts a spec whose argv[0] is ``python`` with ``sys.executable``, so
+    the kernel runs in this same environment (where gpulazy is installed).
+    """
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    if "python3" not in KernelSpecManager().find_kernel_specs():
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"],
+                       check=True, capture_output=True)
+    return "python3"
+
+
+@pytest.fixture(scope="module")
+def kernel_name() -> str:
+    return ensure_python3_kernel()
+
+
+def execute_notebook(path: Path, kernel: str, *, store_widget_state: bool = False, timeout: int = 120):
+    """Run ``path`` in a fresh kernel (cwd: a temp dir) and return the executed notebook."""
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, kernel_name=kernel, timeout=timeout, store_widget_state=store_widget_state,
+        resources={"metadata": {"path": str(ROOT / "notebooks")}},
+    )
+    client.execute()
+    return nb
+
+
+def outputs_text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                parts.append(out["text"])
+            elif "data" in out and "text/plain" in out["data"]:
+                parts.append(out["data"]["text/plain"])
+    return "\n".join(parts)
+
+
+def test_the_four_notebooks_exist_and_are_clean():
+    assert [p.stem for p in NOTEBOOKS] == EXPECTED
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        assert nb.nbformat == 4
+        assert nb.metadata.kernelspec.name == "python3"
+        # committed without outputs: small diffs, no stale figures
+        assert all(not c.get("outputs") and c.get("execution_count") is None
+                   for c in nb.cells if c.cell_type == "code"), path.name
+
+
+CHECKS = {
+    "01-quickstart": ["MIP matches NumPy: (512, 512) uint16", "read 64.0 MiB in", " 0 new bytes read"],
+    "02-prefetch": ["with prefetch:", "without:", "hit rate 0%"],
+    "03-formats": ["LayoutError:", "uint16 (4, 4, 4, 4)"],
+    "04-torch-jax": ["TypeError: gpulazy.to_numpy got a lazy dask array", "ndarray float32 (2, 128, 128)"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPECTED)
+def test_notebook_runs(name, kernel_name):
+    started = time.perf_counter()
+    nb = execute_notebook(ROOT / "notebooks" / f"{name}.ipynb", kernel_name)
+    seconds = time.perf_counter() - started
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, ARTIFACTS / f"{name}.ipynb")
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    text = outputs_text(nb)
+    for expected in CHECKS[name]:
+        assert expected in text, f"{expected!r} not in the outputs of {name}:\n{text}"
+    assert seconds < 60, f"{name} took {seconds:.1f} s"
+    if name == "04-torch-jax":
+        has_torch = _has("torch")
+        assert ("shares memory with the chunk: True" in text) == has_torch
+        if not _has("jax"):
+            assert "pip install 'gpulazy[jax]'" in text
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

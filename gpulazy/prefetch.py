@@ -602,6 +602,18 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
 
         uninstall(client)
 
+    @staticmethod
+    def summaries(client: Any) -> dict[str, dict[str, Any] | None]:
+        """Each worker's read-ahead counters, by address (``None`` where not installed).
+
+        Includes ``ahead_max`` / ``ahead_mean``: how many chunk-reading tasks were
+        already assigned to the worker each time one started, i.e. how far it could
+        read ahead.
+        """
+        from gpulazy._prefetch_distributed import summaries
+
+        return summaries(client)
+
 
 def plan_graph(dsk: dict, run: ReadAhead) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
     """Read tasks of ``dsk`` in run order: ``{task_key: [(read_id, spec), ...]}``.

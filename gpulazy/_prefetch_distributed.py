@@ -108,7 +108,7 @@ class PrefetchPlugin(WorkerPlugin):
         # A task released before it ran drops out of the order: its queued prefetch is
         # cancelled by the replan below, as stale.
         self._replan()
-        self._run.forget(rids)
+        self._run.forget(reads)
 
     def _track(self, key: Hashable) -> None:
         ts = self.worker.state.tasks.get(key)

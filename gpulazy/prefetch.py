@@ -306,6 +306,7 @@ class ReadAhead:
         #: Local scheduler: ``{task_key: [(read_id, spec), ...]}`` (see ``plan_graph``).
         self.by_task: dict[Any, list[tuple[Hashable, ChunkSpec]]] = {}
         self.failed: BaseException | None = None
+        self.reads_total = 0
 
     # -- planning
 
@@ -343,6 +344,7 @@ class ReadAhead:
             self._where[rid] = (source, cache)
             self._by_spec[spec.key] = cache
             out.append((rid, spec))
+        self.reads_total += len(out)
         return out
 
     def start(self, reads: list[tuple[Hashable, ChunkSpec]]) -> None:
@@ -374,9 +376,11 @@ class ReadAhead:
             return 0
         return self._cancel(self.plan.cancel_all())
 
-    def forget(self, read_ids: Iterable[Hashable]) -> None:
-        for rid in read_ids:
+    def forget(self, reads: Iterable[tuple[Hashable, ChunkSpec]]) -> None:
+        """Drop the bookkeeping of reads that are done with (long-lived planners)."""
+        for rid, spec in reads:
             self._where.pop(rid, None)
+            self._by_spec.pop(spec.key, None)
 
     # -- cache calls
 
@@ -420,7 +424,7 @@ class ReadAhead:
         return {
             "depth": self.depth,
             "budget": plan.budget if plan else 0,
-            "reads": len(self._where),
+            "reads": self.reads_total,
             "issued": plan.issued_total if plan else 0,
             "peak_outstanding_bytes": plan.peak_outstanding_bytes if plan else 0,
             "error": repr(self.failed) if self.failed else None,

@@ -8,12 +8,14 @@ whatever process runs the task. The prefetcher recognises read tasks by that fun
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import math
 import os
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -160,14 +162,26 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
     dev = get_device(device)
     backend = _check_backend(backend)
     cache_name = _cache_name(cache, dev)
-    idx = layouts.index(paths, layout=layout, shape=shape, dtype=dtype, offset=offset or None, order=order,
-                        chunks=chunks)
-    source = ChunkSource(dev.name, backend, cache_name)
-    name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
-    graph = _graph(name, idx.specs, source)
+    with _gc_paused():  # ~3 objects per chunk, none cyclic: collections only cost time here
+        idx = layouts.index(paths, layout=layout, shape=shape, dtype=dtype, offset=offset or None, order=order,
+                            chunks=chunks)
+        source = ChunkSource(dev.name, backend, cache_name)
+        name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
+        graph = _graph(name, idx.specs, source)
     arr = _array_class()(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
     arr._gl_attach(idx, source)
     return arr
+
+
+@contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _graph(name: str, specs: dict, source: ChunkSource) -> HighLevelGraph:
@@ -334,7 +348,8 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
 
     with dev.activate():
         for spec in specs.values():
-            view = out[tuple(slice(edges[a][i], edges[a][i + 1]) for a, i in enumerate(spec.index))]
+            # (the Ellipsis keeps a 0-d result a view, not a scalar copy)
+            view = out[tuple(slice(edges[a][i], edges[a][i + 1]) for a, i in enumerate(spec.index)) + (Ellipsis,)]
             if view.size == 0:
                 continue
             if cache is not None and cache.read_into(spec, view):

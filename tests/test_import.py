@@ -29,8 +29,8 @@ def _fresh_import(module: str) -> dict:
 
 
 def test_import_is_fast():
-    # Best of three fresh interpreters: the first may pay for cold disk caches.
-    times = [_fresh_import("gpulazy")["seconds"] for _ in range(3)]
+    # Best of five fresh interpreters: the first may pay for cold disk caches.
+    times = [_fresh_import("gpulazy")["seconds"] for _ in range(5)]
     print(f"import gpulazy: {min(times):.3f} s (best of {[round(t, 3) for t in times]}); bound {BOUND} s")
     assert min(times) < BOUND
 

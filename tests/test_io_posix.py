@@ -175,3 +175,25 @@ def test_file_bytes_oracle_matches_python(tmp_path):
     path, data = _file(tmp_path, 5000, 7)
     np.testing.assert_array_equal(file_bytes(path, 123, 456), data[123:579])
     assert get_device("cpu").name == "cpu"
+
+
+def test_close_racing_a_submit_fails_the_read_instead_of_hanging(tmp_path):
+    from gpulazy.errors import BackendUnavailableError
+    from gpulazy.io._posix import PosixBackend
+
+    path, _ = _file(tmp_path, 100_000, 8)
+    backend = PosixBackend(Device("cpu"), threads=2, task_size=10_000)
+    real_submit = backend._pool.submit
+    calls = []
+
+    def submit_then_shut(*args):
+        calls.append(1)
+        if len(calls) == 3:  # close() lands between two pieces being queued
+            backend._pool.shutdown(wait=False)
+        return real_submit(*args)
+
+    backend._pool.submit = submit_then_shut
+    future = backend.submit([ByteRange(path, 0, 100_000)], np.empty(100_000, np.uint8))
+    with pytest.raises(BackendUnavailableError, match="closed during a read"):
+        future.result(timeout=30)
+    backend.close()

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.device import Device
-from gpulazy.errors import ChunkReadError
+from gpulazy.errors import BackendUnavailableError, ChunkReadError
 from gpulazy.io._base import Backend, ReadFuture, open_error, short_read_error
 from gpulazy.spec import ByteRange
 
@@ -230,13 +230,16 @@ class PosixBackend(Backend):
             job.finish()
             return ReadFuture([job.future], lambda values: values[0])
         if self.device.is_gpu:
-            ring = self._pinned_ring()
-            for p in pieces:
-                self._pool.submit(_bounce_piece, job, p, out, ring)
+            task, args = _bounce_piece, (out, self._pinned_ring())
         else:
-            view = memoryview(out).cast("B")
-            for p in pieces:
-                self._pool.submit(_host_piece, job, p, view)
+            task, args = _host_piece, (memoryview(out).cast("B"),)
+        for i, p in enumerate(pieces):
+            try:
+                self._pool.submit(task, job, p, *args)
+            except RuntimeError as e:  # close() raced with us: settle the pieces never queued
+                for _ in pieces[i:]:
+                    job.piece_done(error=BackendUnavailableError(f"the posix backend was closed during a read: {e}"))
+                break
         return ReadFuture([job.future], lambda values: values[0])
 
     def close(self) -> None:
@@ -254,6 +257,7 @@ class PosixBackend(Backend):
 
 
 def _host_piece(job: _Job, p: _Piece, view: memoryview) -> None:
+    # A failing piece is recorded in the job, never raised: the executor would swallow it.
     if job.failed:  # an earlier piece failed: the result is an error anyway
         job.piece_done()
         return

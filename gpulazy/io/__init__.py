@@ -98,8 +98,9 @@ def get_backend(name: str | None = None, device: str | Device | None = None, *,
             if not ok:
                 raise BackendUnavailableError(f"backend {name!r} is not usable on {dev.name}: {why}")
             backend = cls(dev, threads=threads, task_size=task_size)
-            backend.selected_because = because
             _instances[key] = backend
+        # One instance serves both "posix" and "auto" -> posix: it says why it was chosen last.
+        backend.selected_because = because
     return backend
 
 

@@ -1,0 +1,324 @@
+"""Read-ahead benchmark: a read-then-compute pass, with and without ``gpulazy.prefetch``.
+
+The design target (shared/DESIGN.md): with prefetch on, a read-then-compute loop takes
+at most 1.15 x max(read time, compute time). This script builds a raw float32 volume
+(warm in the page cache after writing), calibrates a per-chunk compute to take about as
+long as reading that chunk, and times four passes over all chunks:
+
+- read only (each chunk read through the cache, no read-ahead),
+- compute only (the same compute on a block already in memory, same task count),
+- read + compute without prefetch (about read + compute when the loop is sequential),
+- read + compute with ``gpulazy.prefetch(depth)`` (about max(read, compute) when it works).
+
+It prints a table and, with ``--json PATH`` (``-`` for stdout), writes every figure.
+Runs on CPU (small sizes by default) and on a GPU (``--device cuda:0``, the default
+when one is usable).
+
+    python benchmarks/bench_prefetch.py                       # GPU if any, else CPU
+    python benchmarks/bench_prefetch.py --device cpu --chunks 16 --chunk-mib 0.5
+    python benchmarks/bench_prefetch.py --json out/prefetch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+TARGET_RATIO = 1.15
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def make_compute(xp: Any, iters: int, mode: str, sleep_s: float):
+    """A per-chunk compute: ``iters`` passes of elementwise math (or a sleep), then a corner.
+
+    Returning a 1 x 1 corner keeps the graph's results tiny, so only reads and compute
+    are timed. On a GPU the function synchronises: its time is the chunk's compute time.
+    """
+
+    def busy_compute(block):
+        if mode == "sleep":
+            time.sleep(sleep_s)
+            return block[:1, :1].copy()
+        x = block
+        for _ in range(iters):
+            x = xp.sqrt(x * x + 1.0)
+        out = x[:1, :1].copy()
+        if xp.__name__ == "cupy":
+            xp.cuda.get_current_stream().synchronize()
+        return out
+
+    return busy_compute
+
+
+def _corner(block):
+    return block[:1, :1].copy()
+
+
+def _time_one_iteration(xp: Any, block: Any) -> float:
+    one = make_compute(xp, 1, "xp", 0.0)
+    one(block)  # warm-up (kernel compilation on a GPU)
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        one(block)
+    return (time.perf_counter() - t0) / reps
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class PeakSampler:
+    """Samples ``bytes_held + bytes_reserved`` of a cache every millisecond."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            s = self.cache.stats()
+            self.peak = max(self.peak, s["bytes_held"] + s["bytes_reserved"])
+            self._stop.wait(0.001)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _timed(fn, repeat: int) -> tuple[float, Any]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def run(*, device: str | None = None, chunks: int = 32, chunk_mib: float = 1.0, depth: int = 8,
+        capacity: str | int | None = None, compute: str = "xp", scheduler: str = "sync", repeat: int = 3,
+        directory: str | None = None) -> dict[str, Any]:
+    """Run the benchmark and return its figures (see the module docstring).
+
+    Parameters
+    ----------
+    device
+        ``"cpu"``, ``"cuda:N"`` or ``None`` (a GPU when usable, else the CPU).
+    chunks, chunk_mib
+        Number of chunks, and MiB per chunk (rounded down to whole 4 KiB rows of
+        1024 float32).
+    depth
+        Prefetch depth.
+    capacity
+        Cache capacity; default ``2 * (depth + 2)`` chunks (the look-ahead may hold half).
+    compute
+        ``"xp"``: elementwise math on the device, calibrated to the per-chunk read time;
+        ``"sleep"``: a sleep of that time (an idle host, like a GPU kernel would leave it).
+    scheduler
+        Dask scheduler: ``"sync"`` (a sequential read-then-compute loop) or ``"threads"``.
+    repeat
+        Each pass runs this many times; the fastest counts.
+
+    Examples
+    --------
+    >>> r = run(device="cpu", chunks=4, chunk_mib=0.0625, depth=2, repeat=1)
+    >>> sorted(k for k in r if k.startswith("seconds_"))
+    ['seconds_compute', 'seconds_naive', 'seconds_prefetch', 'seconds_read']
+    """
+    import gpulazy
+    from gpulazy.cache import DeviceCache
+    from gpulazy.device import get_device, gpu_count
+
+    dev = get_device(device if device is not None else ("cuda:0" if gpu_count() else "cpu"))
+    xp = dev.xp
+    cols = 1024
+    rows = max(1, int(chunk_mib * (1 << 20)) // (cols * 4))
+    chunk_bytes = rows * cols * 4
+    cap = capacity if capacity is not None else 2 * (depth + 2) * chunk_bytes
+    tmp = tempfile.TemporaryDirectory(dir=directory)
+    try:
+        path = os.path.join(tmp.name, "prefetch-bench.raw")
+        rng = np.random.default_rng(0)
+        with open(path, "wb") as f:  # warm in the page cache from here on
+            for _ in range(chunks):
+                rng.random((rows, cols), dtype=np.float32).tofile(f)
+        cache = DeviceCache(cap, device=dev, name=f"bench-prefetch-{os.getpid()}")
+        try:
+            vol = gpulazy.from_files(path, shape=(chunks * rows, cols), dtype="float32", chunks=(rows, cols),
+                                     device=dev.name, cache=cache)
+            return _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, depth, compute,
+                            scheduler, repeat)
+        finally:
+            cache.close()
+    finally:
+        tmp.cleanup()
+
+
+def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, depth, compute, scheduler,
+             repeat) -> dict[str, Any]:
+    import dask.array as da
+
+    def fresh():
+        cache.clear()
+        cache.reset_stats()
+
+    def read_only():
+        fresh()
+        return vol.map_blocks(_corner, dtype=vol.dtype).compute(scheduler=scheduler)
+
+    read_only()  # warm-up: backend threads, allocator pools
+    t_read, _ = _timed(read_only, repeat)
+    per_chunk_read = t_read / chunks
+
+    block = vol[:rows].compute(scheduler="sync")
+    # Compute only: the same tasks over the same bytes already in device memory (no reads),
+    # so both passes pay the same scheduling overheads.
+    mem = da.from_array(xp.concatenate([block] * chunks), chunks=(rows, cols), asarray=False)
+
+    def compute_only(busy):
+        return _timed(lambda: mem.map_blocks(busy, dtype=vol.dtype).compute(scheduler=scheduler), repeat)[0]
+
+    # Calibrate: a first guess from one iteration, then one correction from a measured pass.
+    t_iter = _time_one_iteration(xp, block)
+    iters = max(1, round(per_chunk_read / t_iter)) if compute == "xp" else 0
+    sleep_s = per_chunk_read
+    busy = make_compute(xp, iters, compute, sleep_s)
+    t_compute = compute_only(busy)
+    scale = t_read / t_compute
+    if abs(scale - 1) > 0.15:
+        if compute == "xp":
+            iters = max(1, round(iters * scale))
+        else:
+            sleep_s = max(0.0, sleep_s * (1 + (t_read - t_compute) / chunks / max(sleep_s, 1e-9)))
+        busy = make_compute(xp, iters, compute, sleep_s)
+        t_compute = compute_only(busy)
+
+    def naive():
+        fresh()
+        return vol.map_blocks(busy, dtype=vol.dtype).compute(scheduler=scheduler)
+
+    t_naive, _ = _timed(naive, repeat)
+
+    p = gpulazy.prefetch(depth=depth)
+    best = {"t": float("inf")}
+
+    def with_prefetch():
+        fresh()
+        with PeakSampler(cache) as sampler, p:
+            t0 = time.perf_counter()
+            out = vol.map_blocks(busy, dtype=vol.dtype).compute(scheduler=scheduler)
+            t = time.perf_counter() - t0
+        if t < best["t"]:
+            best.update(t=t, stats=cache.stats(), peak=sampler.peak, summary=dict(p.last_summary or {}))
+        return out
+
+    for _ in range(repeat):
+        with_prefetch()
+    stats, t_pf = best["stats"], best["t"]
+    gets = stats["hits"] + stats["misses"]
+    bound = max(t_read, t_compute)
+    return {
+        "device": dev.name,
+        "scheduler": scheduler,
+        "chunks": chunks,
+        "chunk_bytes": chunk_bytes,
+        "chunk_shape": [rows, cols],
+        "depth": depth,
+        "compute": compute,
+        "compute_iters": iters,
+        "compute_sleep_s": sleep_s if compute == "sleep" else 0.0,
+        "cache_capacity": cache.capacity,
+        "seconds_read": t_read,
+        "seconds_compute": t_compute,
+        "seconds_naive": t_naive,
+        "seconds_prefetch": t_pf,
+        "ratio": t_pf / bound,
+        "ratio_naive": t_naive / bound,
+        "target_ratio": TARGET_RATIO,
+        "meets_target": t_pf / bound <= TARGET_RATIO,
+        "speedup": t_naive / t_pf,
+        "read_seconds_in_prefetch_pass": stats["read_seconds"],
+        "hit_rate": stats["prefetch_hits"] / gets if gets else 0.0,
+        "prefetched": stats["prefetched"],
+        "misses": stats["misses"],
+        "cache_peak_bytes": best["peak"],
+        "cache_peak_within_capacity": best["peak"] <= cache.capacity,
+        "lookahead_budget": best["summary"].get("budget"),
+        "lookahead_peak_bytes": best["summary"].get("peak_outstanding_bytes"),
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def table(r: dict[str, Any]) -> str:
+    mib = 1 << 20
+    verdict = "meets" if r["meets_target"] else "MISSES"
+    lines = [
+        f"prefetch benchmark: {r['device']}, {r['chunks']} chunks x {r['chunk_bytes'] / mib:.2f} MiB float32, "
+        f"depth {r['depth']}, cache {r['cache_capacity'] / mib:.1f} MiB, scheduler {r['scheduler']}, "
+        f"compute {r['compute']!r} ({r['compute_iters']} iterations/chunk), warm page cache",
+        f"{'pass':<36}{'seconds':>10}",
+        f"{'read only':<36}{r['seconds_read']:>10.4f}",
+        f"{'compute only':<36}{r['seconds_compute']:>10.4f}",
+        f"{'read + compute, no prefetch':<36}{r['seconds_naive']:>10.4f}",
+        f"{'read + compute, prefetch':<36}{r['seconds_prefetch']:>10.4f}",
+        f"ratio prefetch / max(read, compute): {r['ratio']:.3f} ({verdict} target <= {r['target_ratio']}); "
+        f"without prefetch: {r['ratio_naive']:.3f}; speedup {r['speedup']:.2f}x",
+        f"hit rate (gets served by prefetched chunks): {r['hit_rate']:.1%} "
+        f"({r['prefetched']} prefetched, {r['misses']} misses)",
+        f"cache peak {r['cache_peak_bytes'] / mib:.1f} MiB of {r['cache_capacity'] / mib:.1f} MiB "
+        f"({'within' if r['cache_peak_within_capacity'] else 'OVER'} capacity); look-ahead peak "
+        f"{(r['lookahead_peak_bytes'] or 0) / mib:.1f} MiB of a {(r['lookahead_budget'] or 0) / mib:.1f} MiB budget",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cpu or cuda:N (default: a GPU when usable)")
+    ap.add_argument("--chunks", type=int, default=None, help="number of chunks (default 64 on a GPU, 32 on CPU)")
+    ap.add_argument("--chunk-mib", type=float, default=None, help="MiB per chunk (default 16 on a GPU, 1 on CPU)")
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--capacity", default=None, help="cache capacity (default 2 x (depth + 2) chunks)")
+    ap.add_argument("--compute", choices=["xp", "sleep"], default="xp")
+    ap.add_argument("--scheduler", choices=["sync", "threads"], default="sync")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write the test file (default: the temp dir)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON ('-': stdout)")
+    args = ap.parse_args(argv)
+
+    from gpulazy.device import get_device, gpu_count
+
+    device = args.device or ("cuda:0" if gpu_count() else "cpu")
+    on_gpu = get_device(device).is_gpu
+    result = run(device=device, chunks=args.chunks or (64 if on_gpu else 32),
+                 chunk_mib=args.chunk_mib or (16.0 if on_gpu else 1.0), depth=args.depth, capacity=args.capacity,
+                 compute=args.compute, scheduler=args.scheduler, repeat=args.repeat, directory=args.dir)
+    print(table(result))
+    if args.json == "-":
+        print(json.dumps(result, indent=2))
+    elif args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

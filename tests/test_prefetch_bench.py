@@ -1,0 +1,45 @@
+"""The read-ahead benchmark runs on CPU at tiny sizes and reports consistent figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_prefetch.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_prefetch", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("compute", ["xp", "sleep"])
+def test_run_reports_consistent_figures(bench, compute):
+    r = bench.run(device="cpu", chunks=8, chunk_mib=0.125, depth=3, compute=compute, repeat=1)
+    assert r["device"] == "cpu" and r["chunks"] == 8 and r["chunk_bytes"] == 32 * 1024 * 4
+    for key in ("seconds_read", "seconds_compute", "seconds_naive", "seconds_prefetch"):
+        assert r[key] > 0
+    assert r["ratio"] == pytest.approx(r["seconds_prefetch"] / max(r["seconds_read"], r["seconds_compute"]))
+    assert r["meets_target"] == (r["ratio"] <= 1.15)
+    assert r["prefetched"] + r["misses"] == 8
+    assert r["hit_rate"] >= 0.5  # at least most chunks came from read-ahead
+    assert 0 < r["cache_peak_bytes"] <= r["cache_capacity"] and r["cache_peak_within_capacity"]
+    assert r["lookahead_peak_bytes"] <= r["lookahead_budget"] <= r["cache_capacity"] // 2
+    assert r["lookahead_peak_bytes"] <= 3 * r["chunk_bytes"]
+    text = bench.table(r)
+    assert "read + compute, prefetch" in text and "hit rate" in text
+
+
+def test_main_writes_json(bench, tmp_path, capsys):
+    out = tmp_path / "sub" / "prefetch.json"
+    assert bench.main(["--device", "cpu", "--chunks", "4", "--chunk-mib", "0.0625", "--depth", "2",
+                       "--repeat", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["chunks"] == 4 and data["depth"] == 2 and data["device"] == "cpu"
+    assert "ratio prefetch / max(read, compute)" in capsys.readouterr().out

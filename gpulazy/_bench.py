@@ -20,6 +20,7 @@ import concurrent.futures
 import mmap
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -408,10 +409,14 @@ def _result_nbytes(result: Any) -> int:
 
 
 def _release(device: Device) -> None:
+    """Give freed device memory back, so one method's pool does not crowd the next."""
     if device.is_gpu:
         import cupy as cp
 
         cp.get_default_memory_pool().free_all_blocks()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # -- measuring --------------------------------------------------------------------------

@@ -78,8 +78,8 @@ def _gds_status(device: Device) -> dict[str, Any]:
         mode = get_backend("kvikio", device).mode
     except Exception as e:
         return {"active": False, "mode": None, "reason": f"KvikIO failed to start: {type(e).__name__}: {e}"}
-    if mode == "gds":
-        return {"active": True, "mode": mode, "reason": f"cuFile/GPUDirect Storage in use ({why})"}
+    if mode.startswith("gds"):  # "gds", or "gds+compat" when some reads fell back
+        return {"active": True, "mode": mode, "reason": f"cuFile/GPUDirect Storage in use, {mode} ({why})"}
     return {"active": False, "mode": mode, "reason": f"KvikIO {mode} mode: cuFile not usable ({why})"}
 
 

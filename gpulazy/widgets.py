@@ -228,7 +228,8 @@ def _texts(f: dict[str, Any]) -> dict[str, str]:
         queue = (f"prefetch queue: {c['queued']} queued, {c['in_flight']} in flight · "
                  f"{c['prefetched']} prefetched, {c['prefetch_hits']} used")
     if m.get("gpu"):
-        memory = f"GPU {m.get('index')} ({m.get('name')}): {format_bytes(m['used'])} / {format_bytes(m['total'])} used"
+        memory = (f"GPU {m.get('index')} ({m.get('name')}): "
+                  f"{format_bytes(m['used'])} / {format_bytes(m['total'])} used")
         if m.get("pool_held") is not None:
             memory += f" · CuPy pool {format_bytes(m['pool_held'])} held, {format_bytes(m['pool_used'])} in use"
     else:
@@ -237,8 +238,10 @@ def _texts(f: dict[str, Any]) -> dict[str, str]:
     backend = f"backend {_mode_text(f['backend'], f['mode'])}"
     if f["device"]:
         backend += f" on {f['device']}"
-    throughput = (f"now {f['throughput_gbps']:.2f} GB/s · {format_bytes(f['bytes_read'])} read in "
-                  f"{f['reads']} reads ({f['mean_read_gbps']:.2f} GB/s per read)")
+    peak = max((v for values in f["series"].values() for v in values), default=0.0)
+    throughput = (f"now {f['throughput_gbps']:.2f} GB/s (1 s peak {peak:.2f}) · "
+                  f"{format_bytes(f['bytes_read'])} read in {f['reads']} reads "
+                  f"({f['mean_read_gbps']:.2f} GB/s per read)")
     if f["errors"]:
         throughput += f" · {f['errors']} read errors"
     return {"throughput": throughput, "cache": cache, "queue": queue, "memory": memory,
@@ -328,7 +331,7 @@ def sparkline_svg(series: dict[str, list[float]], *, seconds: float = 60.0, widt
         parts.append(f'<text x="{4 + 90 * i}" y="{height - 3}" font-size="10" fill="{color}">'
                      f'{html.escape(name)}</text>')
     label = f"peak {peak:.2f} GB/s" if peak > 0 else "no reads in this window"
-    parts.append(f'<text x="{width - 4}" y="11" font-size="10" text-anchor="end" fill="#555">{label}</text>')
+    parts.append(f'<text x="4" y="11" font-size="10" fill="#555">{label}</text>')
     parts.append(f'<text x="{width - 4}" y="{height - 3}" font-size="10" text-anchor="end" '
                  f'fill="#555">last {seconds:.0f} s</text>')
     parts.append("</svg>")
@@ -403,14 +406,16 @@ class Dashboard:
     def _build(self) -> None:
         w = self._w
         full = w.Layout(width="100%")
-        self.title = self._part("title", w.HTML, value="<b>gpulazy</b>")
+        bar = w.Layout(width="220px", min_width="220px")
+        self.title = self._part("title", w.HTML, value=f"<b>gpulazy</b> · refreshed every {self.interval:g} s")
         self.plot = self._part("throughput-plot", w.HTML)
         self.throughput = self._part("throughput", w.HTML)
         self.cache_bar = self._part("cache-bar", w.FloatProgress, min=0.0, max=1.0, description="cache",
-                                    bar_style="info")
+                                    bar_style="info", layout=bar)
         self.cache_label = self._part("cache", w.HTML)
         self.queue = self._part("queue", w.HTML)
-        self.memory_bar = self._part("memory-bar", w.FloatProgress, min=0.0, max=1.0, description="memory")
+        self.memory_bar = self._part("memory-bar", w.FloatProgress, min=0.0, max=1.0, description="memory",
+                                     layout=w.Layout(width="220px", min_width="220px"))
         self.memory_label = self._part("memory", w.HTML)
         self.backend = self._part("backend", w.HTML)
         self.modes = self._part("modes", w.HTML)

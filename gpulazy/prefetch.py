@@ -646,5 +646,4 @@ def plan_graph(dsk: dict, run: ReadAhead) -> dict[Any, list[tuple[Hashable, Chun
 # --------------------------------------------------------------------------- stream
 
 
-class Prefetcher:  # replaced by ``from gpulazy.stream import Prefetcher`` when the stream lands
-    pass
+from gpulazy.stream import Prefetcher  # noqa: E402  (the stream API lives in gpulazy/stream.py)

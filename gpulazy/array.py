@@ -249,6 +249,8 @@ def _array_class() -> type:
             self._gl_order = "F" if idx.order == "F" and not idx.stacked else "C"
 
         def __reduce__(self):
+            if getattr(self, "_gl_name", None) != self.name:  # no longer the files as they are
+                return super().__reduce__()
             return (_rebuild, (self.dask, self.name, self.chunks, self._meta, self._gl_specs, self._gl_source,
                                self._gl_order))
 

@@ -191,6 +191,8 @@ def test_setitem_turns_the_fast_path_off(stack):
     want = want.copy()
     want[0] = 0
     assert np.array_equal(got, want)
+    again = pickle.loads(pickle.dumps(vol))  # pickles as the modified array, not the files
+    assert np.array_equal(again.compute(), want)
 
 
 def test_fast_path_fills_from_cache_hits_without_inserting_misses(stack):

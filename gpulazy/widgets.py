@@ -29,7 +29,8 @@ from dask.callbacks import Callback
 from gpulazy.errors import missing_dependency
 from gpulazy.stats import Stats, default_stats
 
-__all__ = ["Dashboard", "ProgressBar", "dashboard_figures", "gpu_info", "sparkline_svg", "format_bytes"]
+__all__ = ["Dashboard", "ProgressBar", "dashboard_figures", "gpu_info", "sparkline_svg", "format_bytes",
+           "read_task_counts"]
 
 _MODE_TEXT = {
     "gds": "GPUDirect Storage",
@@ -548,44 +549,17 @@ def _span(part: str, text: str, **data: Any) -> str:
 
 # ----------------------------------------------------------------------------- ProgressBar
 
-def _target_functions() -> tuple[Any, ...]:
-    from gpulazy.array import load_chunk
-
-    return (load_chunk,)
-
-
-def _is_target(func: Any, targets: tuple[Any, ...]) -> bool:
-    # identity, not ==: a task's first element may be an array
-    inner = getattr(func, "func", None)  # functools.partial
-    return any(func is t or inner is t for t in targets)
-
-
-def _count_reads(node: Any, targets: tuple[Any, ...], depth: int = 0) -> int:
-    """How many calls of ``targets`` a task holds, looking inside fused subgraphs."""
-    if depth > 32:
-        return 0
-    func = getattr(node, "func", None)
-    if func is not None and hasattr(node, "args"):  # dask._task_spec.Task (and List, Dict, ...)
-        n = int(_is_target(func, targets))
-        for a in node.args:
-            n += _count_reads(a, targets, depth + 1)
-        for v in (getattr(node, "kwargs", None) or {}).values():
-            n += _count_reads(v, targets, depth + 1)
-        return n
-    if isinstance(node, dict):  # a fused task's subgraph
-        return sum(_count_reads(v, targets, depth + 1) for v in node.values())
-    if isinstance(node, (list, tuple)):  # legacy tuple tasks and containers of tasks
-        n = int(bool(node) and isinstance(node, tuple) and callable(node[0]) and _is_target(node[0], targets))
-        return n + sum(_count_reads(v, targets, depth + 1) for v in node)
-    return 0
-
-
 def read_task_counts(dsk: dict[Any, Any]) -> dict[Any, int]:
-    """``{key: number of chunk reads}`` for the tasks of ``dsk`` that read chunks."""
-    targets = _target_functions()
+    """``{key: number of chunk reads}`` for the tasks of ``dsk`` that read chunks.
+
+    Reads are ``load_chunk`` calls, also inside fused tasks (the same search the
+    prefetcher uses: ``gpulazy.prefetch.find_reads``).
+    """
+    from gpulazy.prefetch import find_reads
+
     counts = {}
     for key, task in dsk.items():
-        n = _count_reads(task, targets)
+        n = len(find_reads(task))
         if n:
             counts[key] = n
     return counts

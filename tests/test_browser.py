@@ -213,7 +213,7 @@ def test_dashboard_renders_in_headless_chromium(chromium, tmp_path):
 
     (throughput,) = page.with_class("gpulazy-throughput-text")
     assert int(throughput["attrs"]["data-bytes-read"]) >= 64 << 20
-    assert re.search(r"64\.0 MiB read in 16 reads \((\d+\.\d+) GB/s per read\)", text_of(throughput))
+    assert re.search(r"64\.0 MiB read in \d+ reads \((\d+\.\d+) GB/s per read\)", text_of(throughput))
     assert float(re.search(r"\((\d+\.\d+) GB/s per read", text_of(throughput)).group(1)) > 0
 
     polylines = [e for e in page.elements if e["tag"] == "polyline"]

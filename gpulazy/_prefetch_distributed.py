@@ -181,8 +181,8 @@ def install(client: Any, depth: int | None = None, capacity: int | str | None = 
 
 def uninstall(client: Any) -> None:
     """Remove the plugin (queued prefetches are cancelled) and restore the saturation."""
-    client.unregister_worker_plugin(PLUGIN_NAME)
     client.run_on_scheduler(_restore_saturation)
+    client.unregister_worker_plugin(PLUGIN_NAME)
 
 
 def summaries(client: Any) -> dict[str, dict[str, Any]]:

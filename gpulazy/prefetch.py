@@ -462,7 +462,9 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
     Parameters
     ----------
     depth
-        How many chunk reads to run ahead; default ``config.get("prefetch_depth")``.
+        How many chunk reads to run ahead of the tasks running. Default:
+        ``config.get("prefetch_depth")``, raised to twice the number of tasks seen
+        running at once (a large thread pool starts tasks as fast as it has threads).
     capacity
         Most bytes (``"2 GiB"`` or an int) of chunks read ahead and not yet used. The
         look-ahead is further held to half of the capacity of the cache it warms, so it
@@ -561,6 +563,10 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         if run is not None:
             reads = run.by_task.get(key)
             if reads:
+                if self.depth is None and run.plan is not None:
+                    # Many tasks at once (a big thread pool) consume the window as fast:
+                    # keep twice as many reads ahead as run together (budget still bounds).
+                    run.plan.depth = max(run.plan.depth, 2 * len(state.get("running", ())))
                 run.started(rid for rid, _ in reads)
 
     def _finish(self, dsk: dict, state: dict, errored: bool) -> None:

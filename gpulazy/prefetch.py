@@ -422,7 +422,7 @@ class ReadAhead:
     def summary(self) -> dict[str, Any]:
         plan = self.plan
         return {
-            "depth": self.depth,
+            "depth": plan.depth if plan else self.depth,
             "budget": plan.budget if plan else 0,
             "reads": self.reads_total,
             "issued": plan.issued_total if plan else 0,

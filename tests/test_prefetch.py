@@ -416,6 +416,17 @@ def test_depth_follows_config(tmp_path, cache):
     assert p.last_summary["depth"] == 2
 
 
+def test_default_depth_grows_with_the_pool(tmp_path, cache):
+    vol, data = make_volume(tmp_path, n=24, cache=cache)
+    with gpulazy.config.set(prefetch_depth=2):
+        auto, fixed = gpulazy.prefetch(), gpulazy.prefetch(depth=2)
+        for p in (auto, fixed):
+            cache.clear()
+            assert int(vol.sum().compute(scheduler="threads", num_workers=6, callbacks=[p])) == int(data.sum())
+    assert auto.last_summary["depth"] == 12  # 6 tasks start together
+    assert fixed.last_summary["depth"] == 2
+
+
 @pytest.mark.gpu
 def test_hit_rate_on_the_gpu(tmp_path):
     cache = DeviceCache("256 MiB", device="cuda:0", name="test-prefetch-gpu")

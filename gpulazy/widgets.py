@@ -104,11 +104,24 @@ def _cupy_pool() -> tuple[int | None, int | None]:
         return None, None
 
 
+_nvml_lock = threading.Lock()
+_nvml_ready = False
+
+
+def _nvml_init(pynvml: Any) -> None:
+    """``nvmlInit`` once per process (it is not free, and the dashboard asks 4 times a second)."""
+    global _nvml_ready
+    with _nvml_lock:
+        if not _nvml_ready:
+            pynvml.nvmlInit()
+            _nvml_ready = True
+
+
 def _nvml_memory(index: int) -> tuple[int, int, str]:
     """``(used, total, name)`` of CUDA device ``index`` from NVML, matched by PCI bus id."""
     import pynvml
 
-    pynvml.nvmlInit()  # reference counted and cheap after the first call
+    _nvml_init(pynvml)
     handle = None
     try:
         import cupy

@@ -313,16 +313,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- parser -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpulazy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="gpulazy", description="gpulazy: files read straight into GPU memory "
+                                "as lazy Dask arrays. Errors exit with status 2.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    # --debug is accepted after the sub-command too; SUPPRESS keeps it from resetting the flag.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True, metavar="{info,bench,demo}")
 
-    info = sub.add_parser("info", help="versions, devices, backend and GDS status, config")
+    info = sub.add_parser("info", parents=[common], help="versions, devices, backend and GDS status, config")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--device", help="device to report on (default: a GPU if usable, else cpu)")
     info.set_defaults(func=cmd_info)
 
-    bench = sub.add_parser("bench", help="gpulazy against the naive ways of reading files, side by side")
+    bench = sub.add_parser("bench", parents=[common],
+                           help="gpulazy against the naive ways of reading files, side by side")
     src = bench.add_mutually_exclusive_group()
     src.add_argument("path", nargs="?", help="a file, or a folder of equally sized files, to read")
     src.add_argument("--generate", metavar="SIZE", help="write SIZE of data (one file and N slice files) "
@@ -338,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     bench.set_defaults(func=cmd_bench)
 
-    demo = sub.add_parser("demo", help="read a generated volume onto the device and project it")
+    demo = sub.add_parser("demo", parents=[common],
+                          help="read a generated volume onto the device and project it")
     demo.add_argument("--size", default="2GiB", help="volume size (default 2GiB)")
     demo.add_argument("--device", help="'cpu' or 'cuda:N' (default: a GPU if usable, else cpu)")
     demo.add_argument("--dir", help="where to write the volume (default: a temporary folder)")

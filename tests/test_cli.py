@@ -155,9 +155,12 @@ def test_bad_size_and_device_exit_2(capsys):
     assert code == 2 and "'tpu:0'" in err
 
 
-def test_debug_shows_traceback(tmp_path):
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_traceback(tmp_path, where):
+    argv = ["bench", str(tmp_path / "missing"), "--device", "cpu"]
+    argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
     with pytest.raises(FileNotFoundError):
-        main(["--debug", "bench", str(tmp_path / "missing"), "--device", "cpu"])
+        main(argv)
 
 
 def test_usage_error_exit_2(capsys):

@@ -394,13 +394,14 @@ class _PeakTracker:
     def __enter__(self) -> _PeakTracker:
         import cupy as cp
 
+        self._previous = cp.cuda.get_allocator()
         cp.cuda.set_allocator(self.malloc)
         return self
 
     def __exit__(self, *exc: object) -> None:
         import cupy as cp
 
-        cp.cuda.set_allocator(self.pool.malloc)
+        cp.cuda.set_allocator(self._previous)
 
 
 def _result_nbytes(result: Any) -> int:

@@ -525,6 +525,10 @@ class DeviceCache:
                     if self.device.is_gpu:
                         # Other threads' streams read this entry: the copy must be done.
                         self.device.xp.cuda.get_current_stream().synchronize()
+        except MemoryError:  # CuPy's OutOfMemoryError too: the caller still gets its array
+            with self._lock:
+                self._reserved -= nbytes
+            return None
         except BaseException:
             with self._lock:
                 self._reserved -= nbytes

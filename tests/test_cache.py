@@ -244,6 +244,22 @@ def test_pinned_entries_are_not_evicted(tmp_path, caches):
     assert specs[1] in cache and specs[0] not in cache
 
 
+class _NoRoomArray(np.ndarray):
+    """An array whose copy fails as a full device would."""
+
+    def copy(self, order="C"):
+        raise MemoryError("out of memory allocating the cache's copy")
+
+
+def test_out_of_memory_while_caching_hands_the_array_out(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=1)
+    cache = caches("1 MiB", device="cpu")
+    out = cache.get(specs[0], lambda s: np_read(s).view(_NoRoomArray))
+    np.testing.assert_array_equal(out, np_read(specs[0]))
+    st = cache.stats()
+    assert specs[0] not in cache and st["bytes_held"] == st["bytes_reserved"] == 0 and st["errors"] == 0
+
+
 # --- one load per chunk, errors -------------------------------------------------------
 
 def test_eight_threads_one_load(tmp_path, device, caches):

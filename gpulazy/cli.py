@@ -176,6 +176,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if folder and not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
+    if folder and args.keep:
+        notes.append(f"kept the generated files in {folder}")
     return {"device": dev.name, "filesystem": fs, "notes": notes, "repeat": args.repeat,
             "datasets": [ds.describe() for ds in datasets], "results": rows,
             "ratios": _bench.ratios(rows), "info": collect_info(dev.name)}

@@ -129,6 +129,15 @@ def test_bench_existing_file_warm_only(capsys, tmp_path):
     assert path.exists()  # a given file is never removed
 
 
+def test_bench_keep_says_where(capsys, tmp_path):
+    code, out, _ = run(capsys, "bench", "--generate", "1MiB", "--files", "2", "--warm", "--repeat", "1",
+                       "--methods", "numpy_fromfile", "--device", "cpu", "--dir", str(tmp_path), "--keep")
+    assert code == 0
+    (folder,) = os.listdir(tmp_path)
+    assert f"kept the generated files in {tmp_path / folder}" in out
+    assert sorted(os.listdir(tmp_path / folder)) == ["many", "one"]
+
+
 def test_bench_bad_path_exit_2(capsys, tmp_path):
     missing = str(tmp_path / "nope.raw")
     code, out, err = run(capsys, "bench", missing, "--device", "cpu")

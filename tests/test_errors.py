@@ -72,7 +72,10 @@ def test_shrunk_file_with_a_cache(files):
         for compute in (lambda: vol.compute(), lambda: vol.sum().compute()):
             with pytest.raises(ChunkReadError, match="s1.raw"):
                 compute()
-        assert all(spec not in cache for spec in _specs(vol) if files[1] in spec.paths)
+        # Only the chunk that lost bytes (rows 4..7 of s1) must stay out of the cache; the
+        # first half of s1 is intact and may well have been cached by the reduction.
+        broken = [spec for spec in _specs(vol) if spec.index == (1, 1, 0)]
+        assert broken and all(spec not in cache for spec in broken)
     finally:
         cache.close()
 

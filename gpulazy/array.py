@@ -38,13 +38,13 @@ class ChunkSource:
     """Where a chunk task reads through, resolved in the process that runs it.
 
     ``device``: ``"cpu"`` or ``"cuda:N"``; ``backend``: a backend name or ``None`` for
-    ``"auto"``; ``cache``: a ``DeviceCache`` name, ``None`` for the default cache, or
-    ``False`` for no cache.
+    ``"auto"``; ``cache``: a ``CacheRef`` (made anew in a process that lacks it), a
+    ``DeviceCache`` name, ``None`` for the default cache, or ``False`` for no cache.
     """
 
     device: str
     backend: str | None = None
-    cache: str | None | bool = None
+    cache: Any = None
 
     def backend_instance(self):
         from gpulazy.io import get_backend
@@ -59,7 +59,9 @@ class ChunkSource:
 
         if self.cache is None:
             return default_cache(self.device)
-        return cache_by_name(self.cache)
+        if isinstance(self.cache, str):
+            return cache_by_name(self.cache)
+        return self.cache.resolve()
 
     def read(self, spec: ChunkSpec) -> Any:
         """Read ``spec`` from its files, bypassing any cache."""
@@ -161,11 +163,12 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
 
     dev = get_device(device)
     backend = _check_backend(backend)
-    cache_name = _cache_name(cache, dev)
+    cache_ref = _cache_name(cache, dev)
+    cache_name = getattr(cache_ref, "name", cache_ref)  # a cache object and its name: one graph name
     with _gc_paused():  # ~3 objects per chunk, none cyclic: collections only cost time here
         idx = layouts.index(paths, layout=layout, shape=shape, dtype=dtype, offset=offset or None, order=order,
                             chunks=chunks)
-        source = ChunkSource(dev.name, backend, cache_name)
+        source = ChunkSource(dev.name, backend, cache_ref)
         name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
         graph = _graph(name, idx.specs, source)
     arr = _array_class()(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
@@ -202,8 +205,8 @@ def _check_backend(backend: str | None) -> str | None:
     return backend
 
 
-def _cache_name(cache: Any, device: Device) -> str | None | bool:
-    """``ChunkSource.cache`` for the ``cache`` argument: None, False or a cache name."""
+def _cache_name(cache: Any, device: Device) -> Any:
+    """``ChunkSource.cache`` for the ``cache`` argument: None, False, a name or a ``CacheRef``."""
     if cache is None or cache is False:
         return cache
     if cache is True:
@@ -219,7 +222,7 @@ def _cache_name(cache: Any, device: Device) -> str | None | bool:
     if cdev_name is not None and str(cdev_name) != device.name:
         raise DeviceError(f"cache {name!r} holds arrays on {cdev_name!r} but the array reads onto "
                           f"{device.name!r}; pass a cache created with device={device.name!r}")
-    return name
+    return cache.ref
 
 
 @functools.cache

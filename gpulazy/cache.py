@@ -40,6 +40,8 @@ capacity and device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import atexit
 import threading
 import time
@@ -233,6 +235,11 @@ class DeviceCache:
     def __repr__(self) -> str:
         return (f"DeviceCache(name={self.name!r}, device={self.device.name!r}, "
                 f"capacity={self._capacity}, bytes_held={self._held}, entries={len(self._entries)})")
+
+    @property
+    def ref(self) -> CacheRef:
+        """A picklable value naming this cache; what chunk tasks carry."""
+        return CacheRef(self.name, self._capacity_spec, self.device.name)
 
     def __reduce__(self):
         # A reference by name: the same object in this process, a cache created once
@@ -676,6 +683,20 @@ def cache_by_name(name: str) -> DeviceCache:
         raise KeyError(f"no DeviceCache named {name!r} in this process; create it with "
                        f"DeviceCache(capacity, name={name!r}) or pass the cache object itself")
     return cache
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRef:
+    """A cache by name, capacity and device: resolves to the cache of that name in
+    this process, creating it there (once) if it is not yet; so a task carrying it
+    runs on any dask.distributed worker, each with its own cache."""
+
+    name: str
+    capacity: int | str
+    device: str
+
+    def resolve(self) -> DeviceCache:
+        return _cache_ref(self.name, self.capacity, self.device)
 
 
 def _cache_ref(name: str, capacity: int | str, device: str) -> DeviceCache:

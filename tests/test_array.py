@@ -271,6 +271,25 @@ def test_distributed_local_cluster(stack):
         assert int(vol.sum().compute()) == int(want.astype(np.int64).sum())
 
 
+def test_named_cache_on_worker_processes(stack):
+    """A DeviceCache passed to from_files exists in every worker process, made there."""
+    distributed = pytest.importorskip("distributed")
+    paths, want = stack
+    vol = _vol(paths, cache=DeviceCache("8 MiB", device="cpu", name="worker-cache-test"))
+    with distributed.LocalCluster(processes=True, n_workers=1, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        assert int(vol.sum().compute()) == int(want.astype(np.int64).sum())
+        assert int(vol.sum().compute()) == int(want.astype(np.int64).sum())
+
+        def worker_cache_stats():
+            from gpulazy.cache import cache_by_name
+
+            return cache_by_name("worker-cache-test").stats()
+
+        (stats,) = client.run(worker_cache_stats).values()
+    assert stats["misses"] == vol.npartitions and stats["hits"] == vol.npartitions
+
+
 def test_processes_scheduler_runs_pickled_tasks(stack):
     paths, want = stack
     vol = _vol(paths)

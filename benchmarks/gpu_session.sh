@@ -9,9 +9,10 @@ python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import gpulazy, subprocess
 subprocess.run(["python3", "-m", "gpulazy", "info"])
 PY
-timeout ${GPU_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" \
+timeout ${GPU_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra --timeout=120" \
   --junitxml="$OUT/gpu-junit.xml" tests 2>&1 | tee "$OUT/gpu-tests.log"
+timeout ${NB_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_notebooks.py 2>&1 | tee "$OUT/notebooks.log"
 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 if [ -f benchmarks/bench_prefetch.py ]; then
-  timeout 120 python3 benchmarks/bench_prefetch.py --json "$OUT/prefetch.json" 2>&1 | tee "$OUT/prefetch.log"
+  timeout ${PREFETCH_TIMEOUT:-120} python3 benchmarks/bench_prefetch.py --json "$OUT/prefetch.json" 2>&1 | tee "$OUT/prefetch.log"
 fi

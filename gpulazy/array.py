@@ -19,11 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import dask
 import numpy as np
-from dask._task_spec import Task
-from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
 
 from gpulazy import config
 from gpulazy.device import Device, get_device
@@ -169,6 +165,8 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
         idx = layouts.index(paths, layout=layout, shape=shape, dtype=dtype, offset=offset or None, order=order,
                             chunks=chunks)
         source = ChunkSource(dev.name, backend, cache_ref)
+        from dask.base import tokenize
+
         name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
         graph = _graph(name, idx.specs, source)
     arr = _array_class()(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
@@ -187,7 +185,10 @@ def _gc_paused():
             gc.enable()
 
 
-def _graph(name: str, specs: dict, source: ChunkSource) -> HighLevelGraph:
+def _graph(name: str, specs: dict, source: ChunkSource) -> Any:
+    from dask._task_spec import Task
+    from dask.highlevelgraph import HighLevelGraph
+
     # Built directly, like dask's graph_from_arraylike: one data-producing task per block.
     layer = {}
     for idx, spec in specs.items():
@@ -268,6 +269,7 @@ def _array_class() -> type:
         def _fast_path_ok(self, kwargs: dict) -> bool:
             if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
                 return False
+            import dask
             from dask.callbacks import Callback
 
             if Callback.active or set(kwargs) - {"scheduler"}:

@@ -84,7 +84,8 @@ class _Stopped(Exception):
 
 def _check_array(array: Any, dtype: np.dtype, shape: tuple[int, ...]) -> None:
     got_shape = tuple(getattr(array, "shape", ()))
-    got_dtype = np.dtype(getattr(array, "dtype", np.asarray(array).dtype))
+    # Never np.asarray a CuPy array (it refuses implicit conversion): only when no dtype.
+    got_dtype = np.dtype(array.dtype if hasattr(array, "dtype") else np.asarray(array).dtype)
     if got_shape != shape or not np.can_cast(got_dtype, dtype, "same_kind"):
         raise ValueError(
             f"loader returned an array of shape {got_shape} and dtype {got_dtype}, but this Prefetcher "

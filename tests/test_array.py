@@ -429,7 +429,7 @@ class TestCuda:
     def test_read_file_beyond_4_gib(self, tmp_path):
         size = (4 << 30) + (64 << 20) + 12  # > 4 GiB, not a multiple of any task size
         p = tmp_path / "big.bin"
-        marks = {0: 1, (2 << 30) - 3: 2, (4 << 30) - 7: 3, (4 << 30) + 5: 4, size - 4096: 5}
+        marks = {0: 1, (2 << 30) - 3: 2, (4 << 30) - 7: 3, (4 << 30) + 8192 + 5: 4, size - 4096: 5}  # 4 KiB each, apart
         with open(p, "wb") as f:
             f.truncate(size)  # holes read as zeros
             for offset, seed in marks.items():

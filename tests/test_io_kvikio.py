@@ -112,15 +112,3 @@ def test_kvikio_eof_error_becomes_a_short_read(tmp_path):
     assert isinstance(err.__cause__, RuntimeError)
     other = _kvikio._read_failure(ByteRange(path, 0, 10), RuntimeError("cuFileRead failed"))
     assert "cuFileRead failed" in str(other) and other.path == path
-
-
-def test_long_ranges_go_to_kvikio_in_pieces_of_at_most_1_gib():
-    from gpulazy.io._kvikio import MAX_PREAD, _split
-    from gpulazy.spec import ByteRange
-
-    r = ByteRange("f", 7, 2 * MAX_PREAD + 5)
-    pieces = _split([ByteRange("g", 0, 3), r], MAX_PREAD)
-    assert pieces[0] == ByteRange("g", 0, 3)
-    assert [p.nbytes for p in pieces[1:]] == [MAX_PREAD, MAX_PREAD, 5]
-    assert [p.offset for p in pieces[1:]] == [7, 7 + MAX_PREAD, 7 + 2 * MAX_PREAD]
-    assert all(p.path == "f" for p in pieces[1:])

@@ -107,7 +107,7 @@ class KvikioBackend(Backend):
         try:
             with self.device.activate():
                 dst = 0
-                for r in _split(ranges, MAX_PREAD):
+                for r in ranges:
                     f = handles.get(r.path) or self._open(r.path, handles)
                     if r.nbytes:
                         pending.append((r, self._pread(f, r, out[dst: dst + r.nbytes])))
@@ -133,7 +133,7 @@ class KvikioBackend(Backend):
         self._record(nbytes, started, mode)
         return nbytes
 
-    def _pread(self, f: Any, r: ByteRange, dest: Any) -> Any:  # noqa: D401
+    def _pread(self, f: Any, r: ByteRange, dest: Any) -> Any:
         # Below gds_threshold KvikIO reads synchronously inside pread(), so an EOF can
         # surface here rather than from the future.
         try:
@@ -262,21 +262,3 @@ def _mode_details(kvikio: Any) -> str:
     parts.append(f"KvikIO {getattr(kvikio, '__version__', '?')}; probed on a temp file, so a data file "
                  "system without GDS support still reads in compat mode")
     return ", ".join(parts)
-
-
-# One pread of more than 4 GiB put wrong bytes past the 4 GiB mark on an H100 host
-# (KvikIO 26.10, compat mode; found by tests/test_array.py::TestCuda::test_read_file_beyond_4_gib),
-# so ranges are handed to KvikIO in pieces of at most 1 GiB; it splits them into tasks anyway.
-MAX_PREAD = 1 << 30
-
-
-def _split(ranges: Sequence[ByteRange], most: int) -> list[ByteRange]:
-    """``ranges`` with every range longer than ``most`` bytes cut into consecutive pieces."""
-    out: list[ByteRange] = []
-    for r in ranges:
-        if r.nbytes <= most:
-            out.append(r)
-            continue
-        for start in range(0, r.nbytes, most):
-            out.append(ByteRange(r.path, r.offset + start, min(most, r.nbytes - start)))
-    return out

@@ -61,7 +61,9 @@ def _cache_capacity(value: Any) -> str | int | bool:
 
 
 def _default_threads() -> int:
-    return min(os.cpu_count() or 4, 16)
+    # Reads wait on the page cache or the disk more than on a core: on a 16-core H100
+    # host KvikIO moved 4 GiB at 44.6 GB/s with 16 threads and 46.9 GB/s with 32.
+    return min(2 * (os.cpu_count() or 4), 32)
 
 
 # key: (default factory, converter, help)

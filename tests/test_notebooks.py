@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HAS_GPU
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -99,7 +101,9 @@ def test_notebook_runs(name, kernel_name):
     text = outputs_text(nb)
     for expected in CHECKS[name]:
         assert expected in text, f"{expected!r} not in the outputs of {name}:\n{text}"
-    assert seconds < 60, f"{name} took {seconds:.1f} s"
+    # On a fresh GPU host CuPy compiles each reduction kernel on first use (a first
+    # .mean() took 48 s on the H100 host, then ~0); the bound is for CPU machines and CI.
+    assert seconds < (240 if HAS_GPU else 60), f"{name} took {seconds:.1f} s"
     if name == "04-torch-jax":
         has_torch = _has("torch")
         assert ("shares memory with the chunk: True" in text) == has_torch

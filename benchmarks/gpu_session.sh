@@ -15,5 +15,8 @@ PY
 ls test-artifacts/*.ipynb >/dev/null 2>&1 && tar czf "$OUT/executed-notebooks.tgz" test-artifacts/*.ipynb
 [ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 if [ -z "${SKIP_PREFETCH:-}" ]; then
-  timeout ${PREFETCH_TIMEOUT:-120} python3 benchmarks/bench_prefetch.py --json "$OUT/prefetch.json" 2>&1 | tee "$OUT/prefetch.log"
+  for sched in sync threads; do
+    timeout ${PREFETCH_TIMEOUT:-60} python3 benchmarks/bench_prefetch.py --scheduler $sched --repeat 2 \
+      --json "$OUT/prefetch-$sched.json" 2>&1 | tee -a "$OUT/prefetch.log"
+  done
 fi

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 import threading
-from importlib.metadata import entry_points
 
 from gpulazy import config
+from gpulazy._plugins import entry_point_table
 from gpulazy.device import Device, get_device
 from gpulazy.errors import BackendUnavailableError, ConfigError
 from gpulazy.io._base import Backend, ReadFuture
@@ -36,7 +36,7 @@ _BUILTIN = {
 
 
 def _entry_points() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group="gpulazy.backends")}
+    return entry_point_table("gpulazy.backends")
 
 
 def backend_names() -> list[str]:

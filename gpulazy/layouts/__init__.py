@@ -16,8 +16,9 @@ is given and nothing else matches) and returns its ``Index``.
 
 from __future__ import annotations
 
+from gpulazy._plugins import entry_point_table
+
 import importlib
-from importlib.metadata import entry_points
 from typing import Any
 
 from gpulazy.errors import ConfigError, LayoutError
@@ -43,7 +44,7 @@ _BUILTIN = {
 
 
 def _entry_points() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group="gpulazy.layouts")}
+    return entry_point_table("gpulazy.layouts")
 
 
 def layout_names() -> list[str]:

@@ -55,7 +55,7 @@ def run(device: str | None = None, size: str = "1GiB", repeat: int = 3) -> dict:
             assert got == want, (got, want)
             return seconds
 
-        vol[:1].sum().compute()  # start-up (CUDA, backend, kernels) is not what is measured
+        vol[:1].sum(dtype="int64").compute()  # start-up (CUDA, backend, this kernel) is not measured
         from gpulazy._bench import drop_page_cache
 
         cache.clear()

@@ -6,13 +6,12 @@ through the ``gpulazy.backends`` entry-point group (``name = "pkg.module:Class"`
 
 from __future__ import annotations
 
-import importlib
 import threading
 
 from gpulazy import config
-from gpulazy._plugins import entry_point_table
+from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 from gpulazy.device import Device, get_device
-from gpulazy.errors import BackendUnavailableError, ConfigError
+from gpulazy.errors import BackendUnavailableError
 from gpulazy.io._base import Backend, ReadFuture
 from gpulazy.io._read import decode, read_chunk, submit_chunk
 
@@ -41,16 +40,12 @@ def _entry_points() -> dict[str, str]:
 
 def backend_names() -> list[str]:
     """Every backend name: built-ins first, then those from entry points."""
-    return list(_BUILTIN) + [n for n in _entry_points() if n not in _BUILTIN]
+    return plugin_names(_BUILTIN, _entry_points())
 
 
 def backend_class(name: str) -> type[Backend]:
     """The class registered as ``name`` (imported now)."""
-    target = _BUILTIN.get(name) or _entry_points().get(name)
-    if target is None:
-        raise ConfigError(f"unknown backend {name!r}; valid: 'auto', {', '.join(map(repr, backend_names()))}")
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return load_plugin("backend", name, _BUILTIN, _entry_points(), also_valid=("auto",))
 
 
 def select_backend(device: Device) -> tuple[str, str]:

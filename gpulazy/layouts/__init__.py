@@ -16,12 +16,11 @@ is given and nothing else matches) and returns its ``Index``.
 
 from __future__ import annotations
 
-from gpulazy._plugins import entry_point_table
+from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 
-import importlib
 from typing import Any
 
-from gpulazy.errors import ConfigError, LayoutError
+from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import natural_key, resolve_paths
 
@@ -49,16 +48,12 @@ def _entry_points() -> dict[str, str]:
 
 def layout_names() -> list[str]:
     """Every layout name: built-ins first, then those from entry points."""
-    return list(_BUILTIN) + [n for n in _entry_points() if n not in _BUILTIN]
+    return plugin_names(_BUILTIN, _entry_points())
 
 
 def layout_class(name: str) -> type[Layout]:
     """The ``Layout`` class registered as ``name`` (imported now)."""
-    target = _BUILTIN.get(name) or _entry_points().get(name)
-    if target is None:
-        raise ConfigError(f"unknown layout {name!r}; valid: {', '.join(map(repr, layout_names()))}")
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return load_plugin("layout", name, _BUILTIN, _entry_points())
 
 
 def get_layout(name: str | Layout) -> Layout:

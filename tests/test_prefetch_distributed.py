@@ -150,3 +150,36 @@ def test_install_arguments(client):
         gpulazy.prefetch.install(client, depth=0)
     with pytest.raises(ValueError, match="saturation"):
         gpulazy.prefetch.install(client, saturation="lots")
+
+
+def gpu_cache_stats(dask_worker=None):
+    from gpulazy.cache import cache_by_name
+
+    return cache_by_name("dist-gpu-cache").stats()
+
+
+@pytest.mark.gpu
+def test_workers_prefetch_onto_the_gpu(tmp_path):
+    """A worker process reads through its own device cache on cuda:0, warmed ahead of its tasks."""
+    from gpulazy.cache import DeviceCache
+
+    data = np.arange(N_CHUNKS * 16 * 1024, dtype="uint16").reshape(N_CHUNKS * 16, 1024)
+    path = tmp_path / "vol.raw"
+    data.tofile(path)
+    cache = DeviceCache("64 MiB", device="cuda:0", name="dist-gpu-cache")
+    vol = gpulazy.from_files(path, shape=data.shape, dtype="uint16", chunks=(16, 1024), device="cuda:0",
+                             cache=cache)
+    with distributed.LocalCluster(processes=True, n_workers=1, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as c:
+        gpulazy.prefetch.install(c, depth=8)
+        try:
+            got = vol.map_blocks(busy).sum(dtype="u8").compute()
+            (stats,) = c.run(gpu_cache_stats).values()
+        finally:
+            gpulazy.prefetch.uninstall(c)
+    cache.close()
+    assert int(got) == int(data.sum(dtype="u8"))
+    assert stats["device"] == "cuda:0" and stats["loads"] == N_CHUNKS
+    share = stats["prefetch_hits"] / (stats["hits"] + stats["misses"])
+    print(f"\ndistributed read-ahead on cuda:0: {share:.0%} of chunk gets served by prefetched chunks")
+    assert share >= 0.8 and stats["bytes_held"] <= stats["capacity"]

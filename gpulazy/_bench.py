@@ -563,3 +563,47 @@ class Timer:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self._t0
+
+
+def plot_results(rows: list[dict[str, Any]], path: str) -> str:
+    """A bar chart of the side-by-side (GB/s, log scale; warm and cold) saved to ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        from gpulazy.errors import missing_dependency
+
+        raise missing_dependency("matplotlib", "notebook", "gpulazy bench --plot") from e
+    measured = [r for r in rows if r.get("gbps")]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in measured))
+    if not scenarios:
+        raise ValueError("no method was measured, so there is nothing to plot")
+    fig, axes = plt.subplots(len(scenarios), 1, figsize=(9, 3.2 * len(scenarios)), squeeze=False)
+    for ax, scenario in zip(axes[:, 0], scenarios):
+        _plot_scenario(ax, [r for r in measured if r["scenario"] == scenario], scenario)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_scenario(ax: Any, rows: list[dict[str, Any]], scenario: str) -> None:
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    width = 0.4
+    for k, (mode, color) in enumerate((("warm", "tab:orange"), ("cold", "tab:blue"))):
+        gbps = {r["label"]: r["gbps"] for r in rows if r["mode"] == mode}
+        xs = [i + (k - 0.5) * width for i, label in enumerate(labels) if label in gbps]
+        ys = [gbps[label] for label in labels if label in gbps]
+        bars = ax.barh(xs, ys, height=width, color=color, label=mode)
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7, padding=2)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    for tick, label in zip(ax.get_yticklabels(), labels):
+        if "gpulazy" in label:
+            tick.set_fontweight("bold")
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("GB/s (log scale)")
+    ax.set_title(f"{scenario}: {rows[0]['nbytes'] / 2**30:.2f} GiB in {rows[0]['files']} file(s), {rows[0]['device']}")
+    ax.legend(loc="lower right", fontsize=8)

@@ -192,6 +192,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2, default=str)
         print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {_bench.plot_results(doc['results'], args.plot)}")
     return 0
 
 
@@ -353,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dir", help="where --generate writes (default: a temporary folder)")
     bench.add_argument("--keep", action="store_true", help="keep the generated files")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bench.add_argument("--plot", metavar="PNG", help="save a bar chart of the results (matplotlib)")
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", parents=[common],

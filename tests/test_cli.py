@@ -129,6 +129,35 @@ def test_bench_existing_file_warm_only(capsys, tmp_path):
     assert path.exists()  # a given file is never removed
 
 
+def test_bench_plot_draws_every_measured_method(capsys, tmp_path):
+    path = tmp_path / "x.raw"
+    np.arange(1 << 18, dtype=np.uint32).tofile(path)
+    png = tmp_path / "bench.png"
+    code, out, err = run(capsys, "bench", str(path), "--warm", "--repeat", "1", "--device", "cpu",
+                         "--methods", "numpy_fromfile,dask_memmap,gpulazy", "--plot", str(png))
+    assert code == 0, err
+    assert f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    import matplotlib.pyplot as plt
+
+    calls = []
+    real = plt.Axes.barh
+
+    def spy(ax, y, width, *a, **k):
+        calls.append(list(width))
+        return real(ax, y, width, *a, **k)
+
+    rows = [{"scenario": "s", "mode": m, "label": lab, "gbps": g, "nbytes": 1 << 20, "files": 1, "device": "cpu"}
+            for lab, g in (("a", 1.0), ("gpulazy", 20.0)) for m in ("warm", "cold")]
+    try:
+        plt.Axes.barh = spy
+        _bench.plot_results(rows, str(tmp_path / "two.png"))
+    finally:
+        plt.Axes.barh = real
+    assert calls == [[1.0, 20.0], [1.0, 20.0]]  # one bar per method, warm then cold
+
+
 def test_bench_keep_says_where(capsys, tmp_path):
     code, out, _ = run(capsys, "bench", "--generate", "1MiB", "--files", "2", "--warm", "--repeat", "1",
                        "--methods", "numpy_fromfile", "--device", "cpu", "--dir", str(tmp_path), "--keep")

@@ -85,12 +85,14 @@ def _no_copy_error(kind: str, why: str) -> ValueError:
 
 # --- torch ---
 
-def _import_torch() -> Any:
+def _require(module: str, extra: str, feature: str) -> Any:
+    """``module`` imported, or the ImportError that names the extra installing it."""
+    import importlib
+
     try:
-        import torch
+        return importlib.import_module(module)
     except ImportError as e:
-        raise missing_dependency("torch", "torch", "gpulazy.to_torch") from e
-    return torch
+        raise missing_dependency(module.partition(".")[0], extra, feature) from e
 
 
 def _torch_from_numpy(torch: Any, a: np.ndarray, copy: bool | None) -> Any:
@@ -152,7 +154,7 @@ def to_torch(x: Any, *, copy: bool | None = None) -> Any:
     (torch.uint16, device(type='cpu'))
     """
     _refuse_lazy(x, "to_torch")
-    torch = _import_torch()
+    torch = _require("torch", "torch", "gpulazy.to_torch")
     if isinstance(x, torch.Tensor):
         return x.clone() if copy else x
     if isinstance(x, np.ndarray):
@@ -165,15 +167,6 @@ def to_torch(x: Any, *, copy: bool | None = None) -> Any:
 
 
 # --- jax ---
-
-def _import_jax() -> Any:
-    try:
-        import jax
-        import jax.dlpack
-    except ImportError as e:
-        raise missing_dependency("jax", "jax", "gpulazy.to_jax") from e
-    return jax
-
 
 def to_jax(x: Any, *, copy: bool | None = None) -> Any:
     """A ``jax.Array`` from a CuPy array (DLPack, same GPU) or a NumPy array (CPU).
@@ -197,7 +190,8 @@ def to_jax(x: Any, *, copy: bool | None = None) -> Any:
         If JAX is not installed (``pip install 'gpulazy[jax]'``).
     """
     _refuse_lazy(x, "to_jax")
-    jax = _import_jax()
+    _require("jax.dlpack", "jax", "gpulazy.to_jax")
+    jax = _require("jax", "jax", "gpulazy.to_jax")
     if isinstance(x, jax.Array):
         return jax.numpy.array(x, copy=True) if copy else x
     if isinstance(x, np.ndarray):

@@ -361,7 +361,7 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
                 continue
             if cache is not None and cache.read_into(spec, view):
                 continue
-            flat = _byte_view(view, spec.order)
+            flat = None if spec.is_assembled else _byte_view(view, spec.order)
             try:
                 future, buf = submit_chunk(spec, backend, flat)
             except BaseException as e:

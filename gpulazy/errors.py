@@ -11,6 +11,8 @@ __all__ = [
     "LayoutError",
     "NoFilesError",
     "ChunkReadError",
+    "ChunkDecodeError",
+    "PerformanceWarning",
     "BackendUnavailableError",
     "DeviceError",
     "ConfigError",
@@ -48,6 +50,21 @@ class ChunkReadError(GpulazyError, OSError):
 
 def _rebuild_read_error(message, path, offset, expected, got):
     return ChunkReadError(message, path=path, offset=offset, expected=expected, got=got)
+
+
+class ChunkDecodeError(ChunkReadError):
+    """A stored chunk's bytes could not be decoded (corrupt data, wrong codec in the metadata)."""
+
+    def __reduce__(self):
+        return (_rebuild_decode_error, (str(self), self.path, self.offset, self.expected, self.got))
+
+
+def _rebuild_decode_error(message, path, offset, expected, got):
+    return ChunkDecodeError(message, path=path, offset=offset, expected=expected, got=got)
+
+
+class PerformanceWarning(UserWarning):
+    """Work takes a slower path than it could (e.g. a codec decoding on the host for a GPU array)."""
 
 
 class BackendUnavailableError(GpulazyError, RuntimeError):

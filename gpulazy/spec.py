@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ByteRange", "ChunkSpec", "file_identity"]
+__all__ = ["ByteRange", "Codec", "Tile", "ChunkSpec", "file_identity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,68 @@ class ByteRange:
     path: str
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """One decoding step of a stored chunk: a codec id and its parameters.
+
+    Ids follow numcodecs (``"zstd"``, ``"lz4"``, ``"zlib"``, ``"gzip"``, ``"blosc"``,
+    ``"shuffle"``, ``"delta"``, ...) plus gpulazy's own (``"crc32c"``, ``"tiff_predictor"``,
+    ...): ``gpulazy.codecs`` says which decode on the GPU. ``params`` is a sorted tuple of
+    ``(name, value)`` pairs so a codec is hashable and part of the chunk key.
+    """
+
+    id: str
+    params: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, id: str, **params: object) -> Codec:
+        return cls(id, tuple(sorted((k, _freeze(v)) for k, v in params.items())))
+
+    def get(self, name: str, default: object = None) -> object:
+        return dict(self.params).get(name, default)
+
+    def config(self) -> dict:
+        """The numcodecs-style config dict: ``{"id": ..., **params}``."""
+        return {"id": self.id, **{k: _thaw(v) for k, v in self.params}}
+
+
+def _freeze(v: object) -> object:
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+def _thaw(v: object) -> object:
+    return list(v) if isinstance(v, tuple) else v
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """One stored piece of a chunk (a Zarr chunk, an HDF5 chunk, a TIFF strip or tile).
+
+    Parameters
+    ----------
+    range
+        Where its stored (possibly encoded) bytes are; ``None`` when the piece was never
+        written (a missing Zarr chunk, an unallocated HDF5 chunk): it reads as the
+        spec's ``fill_value``.
+    shape
+        The shape its bytes decode to (a stored chunk at an array edge usually decodes to
+        the full chunk shape; a TIFF's last strip to fewer rows).
+    origin
+        Where ``tile[0, 0, ...]`` lands in the chunk; the part outside the chunk is dropped.
+    order
+        ``"C"`` or ``"F"``: element order of the decoded bytes.
+    """
+
+    range: ByteRange | None
+    shape: tuple[int, ...]
+    origin: tuple[int, ...]
+    order: str = "C"
 
 
 def file_identity(path: str) -> tuple[str, int, int]:
@@ -40,7 +102,9 @@ class ChunkSpec:
     Parameters
     ----------
     ranges
-        Byte ranges read one after another into the chunk's buffer.
+        Byte ranges read one after another into the chunk's buffer. For a chunk made of
+        ``tiles`` these are the present tiles' ranges, in tile order: tile ``i``'s stored
+        bytes are its segment of the buffer (``tile_segments``).
     shape
         The chunk's shape.
     dtype
@@ -49,27 +113,41 @@ class ChunkSpec:
     order
         ``"C"`` or ``"F"``: the order of the elements in the concatenated bytes.
     codec
-        Name of a codec the bytes must go through, or ``None`` for raw bytes.
+        The decoding steps, in the order they are applied (``(Codec("zstd"), Codec("shuffle",
+        ...))``), or ``None`` for raw bytes. Applies to each tile (or, without tiles, to the
+        concatenated bytes as one stored piece).
     identity
         ``(path, size, mtime_ns)`` of each file read; part of ``key``.
     index
         The chunk's block index in its array (informational; not part of ``key``).
+    tiles
+        The stored pieces the chunk is assembled from; empty when the concatenated
+        ``ranges`` are the chunk's elements in ``order`` (raw, ``.npy``, uncompressed
+        contiguous data).
+    fill_value
+        Value of elements no tile covers (missing chunks).
     """
 
     ranges: tuple[ByteRange, ...]
     shape: tuple[int, ...]
     dtype: str
     order: str = "C"
-    codec: str | None = None
+    codec: tuple[Codec, ...] | None = None
     identity: tuple[tuple[str, int, int], ...] = ()
     index: tuple[int, ...] = ()
+    tiles: tuple[Tile, ...] = ()
+    fill_value: object = 0
     key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         h = hashlib.blake2b(digest_size=16)
         # Plain tuples: their repr runs in C, ~3x faster than the dataclasses' (100k-chunk graphs).
         ranges = tuple((r.path, r.offset, r.nbytes) for r in self.ranges)
-        h.update(repr((ranges, self.shape, self.dtype, self.order, self.codec, self.identity)).encode())
+        parts = (ranges, self.shape, self.dtype, self.order, self.codec, self.identity)
+        if self.tiles:
+            parts += (tuple((t.range is not None, t.shape, t.origin, t.order) for t in self.tiles),
+                      repr(self.fill_value))
+        h.update(repr(parts).encode())
         object.__setattr__(self, "key", h.hexdigest())
 
     @property
@@ -91,6 +169,20 @@ class ChunkSpec:
     def paths(self) -> tuple[str, ...]:
         """The files this chunk reads, in order, without repeats."""
         return tuple(dict.fromkeys(r.path for r in self.ranges))
+
+    @property
+    def is_assembled(self) -> bool:
+        """Whether the chunk is built from decoded pieces rather than read as is."""
+        return bool(self.tiles) or self.codec is not None
+
+    def tile_segments(self) -> list[tuple[Tile, int, int]]:
+        """``(tile, start, nbytes)`` of each present tile within the read buffer."""
+        out, at = [], 0
+        for t in self.tiles:
+            if t.range is not None:
+                out.append((t, at, t.range.nbytes))
+                at += t.range.nbytes
+        return out
 
     @property
     def needs_byteswap(self) -> bool:

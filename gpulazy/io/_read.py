@@ -1,7 +1,8 @@
 """From a ``ChunkSpec`` to an array: allocate, read through a backend, decode.
 
 Decoding here is format-free: view the bytes as the file's dtype, swap to native byte
-order on the device, and reshape in the spec's element order.
+order on the device, and reshape in the spec's element order. Chunks made of encoded
+or partial stored pieces (``spec.is_assembled``) are decoded by ``gpulazy.codecs``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from gpulazy.device import Device
-from gpulazy.errors import LayoutError
 from gpulazy.io._base import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec
 
@@ -20,8 +20,8 @@ __all__ = ["read_chunk", "submit_chunk", "decode"]
 
 def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> tuple[ReadFuture, Any]:
     """Start reading ``spec`` into ``out`` (allocated on the backend's device if ``None``)."""
-    if spec.codec is not None:
-        raise LayoutError(f"chunk of {spec.paths[0]!r} needs codec {spec.codec!r}, which this version cannot decode")
+    if spec.is_assembled:  # stored pieces: read into a buffer of their own, decoded by ``decode``
+        out = None
     buf = out if out is not None else backend.device.empty(spec.nbytes)
     return backend.submit(spec.ranges, buf), buf
 
@@ -35,6 +35,10 @@ def read_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> Any:
 
 def decode(buf: Any, spec: ChunkSpec, device: Device) -> Any:
     """The chunk's array from its raw bytes ``buf`` (1-D uint8), in native byte order."""
+    if spec.is_assembled:
+        from gpulazy.codecs import assemble
+
+        return assemble(buf, spec, device)
     raw = buf[: spec.out_nbytes]
     dt = np.dtype(spec.dtype)
     if spec.needs_byteswap:

@@ -1,0 +1,97 @@
+"""Run a codec pipeline over a batch of stored pieces, on the host or the GPU."""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpulazy.codecs import host
+from gpulazy.device import Device
+from gpulazy.errors import ChunkDecodeError, LayoutError, PerformanceWarning
+from gpulazy.spec import ByteRange, Codec
+
+__all__ = ["decode_pieces", "check_supported", "gpu_codecs"]
+
+
+def gpu_codecs() -> frozenset[str]:
+    """Codec ids that decode on the GPU here (empty without nvCOMP/CuPy)."""
+    try:
+        from gpulazy.codecs import nvcomp
+    except ImportError:
+        return frozenset()
+    return nvcomp.supported()
+
+
+def check_supported(codec: Sequence[Codec] | None, path: str) -> None:
+    """Raise a ``LayoutError`` naming ``path`` if any step cannot be decoded here at all."""
+    for c in codec or ():
+        why = host.unsupported_reason(c)
+        if why:
+            raise LayoutError(f"{path!r} is compressed with {c.id!r}, which cannot be decoded here: {why}")
+
+
+def decode_pieces(pieces: Sequence[Any], codec: Sequence[Codec], expected: Sequence[int], device: Device, *,
+                  where: Sequence[ByteRange | None] = ()) -> list[Any]:
+    """Each stored piece decoded through ``codec`` (1-D uint8 arrays on ``device``).
+
+    ``expected`` is each piece's decoded size in bytes (a hint for codecs that need it).
+    A piece that fails to decode raises ``ChunkDecodeError`` naming its file and offset.
+    """
+    if not codec:
+        return list(pieces)
+    if device.is_gpu:
+        from gpulazy.codecs import gpu
+
+        return gpu.decode_pieces(pieces, tuple(codec), expected, device, where=where)
+    started = time.perf_counter()
+    out = [_host_one(p, codec, n, w) for p, n, w in zip(pieces, expected, _pad(where, len(pieces)))]
+    _record(sum(expected), started, codec, "host", device)
+    return out
+
+
+def _pad(where: Sequence[Any], n: int) -> list[Any]:
+    return list(where) + [None] * (n - len(where))
+
+
+def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int, where: ByteRange | None) -> np.ndarray:
+    try:
+        return host.decode(piece, codec, expected)
+    except ChunkDecodeError:
+        raise
+    except Exception as e:
+        raise decode_error(where, codec, e) from e
+
+
+def decode_error(where: ByteRange | None, codec: Sequence[Codec], e: BaseException) -> ChunkDecodeError:
+    names = "+".join(c.id for c in codec)
+    if where is None:
+        return ChunkDecodeError(f"cannot decode a {names} chunk: {type(e).__name__}: {e}")
+    return ChunkDecodeError(
+        f"cannot decode the {names} chunk of {where.path!r} at offset {where.offset} ({where.nbytes} bytes): "
+        f"{type(e).__name__}: {e}; the file is corrupt or its metadata names the wrong codec",
+        path=where.path, offset=where.offset, expected=None, got=where.nbytes)
+
+
+def warn_host_fallback(codec: Codec, device: Device) -> None:
+    """Say once per codec id that it decodes on the host for a GPU array."""
+    _warn_once(codec.id, device.name)
+
+
+@functools.cache
+def _warn_once(codec_id: str, device: str) -> None:
+    warnings.warn(f"codec {codec_id!r} has no GPU decoder here: its chunks decode on the host and are copied "
+                  f"to {device} (slower); install nvidia-nvcomp-cu13 for zstd/lz4/deflate on the GPU",
+                  PerformanceWarning, stacklevel=4)
+
+
+def _record(nbytes: int, started: float, codec: Sequence[Codec], where: str, device: Device) -> None:
+    from gpulazy.stats import default_stats
+
+    rec = getattr(default_stats(), "record_decode", None)
+    if rec is not None:
+        rec(nbytes=nbytes, seconds=time.perf_counter() - started, codec="+".join(c.id for c in codec),
+            where=where, device=device.name)

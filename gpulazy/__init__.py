@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from gpulazy import config, errors
-from gpulazy.array import from_files, read_file, read_files
+from gpulazy.array import from_files, multiscale, read_file, read_files
 from gpulazy.cache import DeviceCache
 from gpulazy.convert import to_jax, to_numpy, to_torch
 from gpulazy.device import get_device
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "from_files",
+    "multiscale",
     "read_file",
     "read_files",
     "DeviceCache",

@@ -26,7 +26,7 @@ from gpulazy.device import Device, get_device
 from gpulazy.errors import DeviceError, LayoutError
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
 
-__all__ = ["from_files", "read_file", "read_files", "GpulazyArray", "ChunkSource", "load_chunk", "read_whole"]
+__all__ = ["from_files", "multiscale", "read_file", "read_files", "GpulazyArray", "ChunkSource", "load_chunk", "read_whole"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,7 @@ def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
 
 def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int = 0, order: str | None = None,
                chunks: Any = None, device: Any = None, backend: str | None = None, cache: Any = None,
-               layout: Any = None) -> Any:
+               layout: Any = None, **layout_opts: Any) -> Any:
     """A lazy Dask array over files whose chunks read straight into device memory.
 
     Nothing is read here: the files are indexed (sizes and headers checked) and a
@@ -127,6 +127,9 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
     layout
         Force a layout (``"raw"``, ``"npy"`` or a registered name); default: guessed
         from the first file's magic bytes, raw when ``dtype`` is given.
+    **layout_opts
+        Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5); an
+        option the layout does not know raises ``TypeError`` naming it.
 
     Returns
     -------
@@ -160,15 +163,37 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
     dev = get_device(device)
     backend = _check_backend(backend)
     cache_ref = _cache_name(cache, dev)
-    cache_name = getattr(cache_ref, "name", cache_ref)  # a cache object and its name: one graph name
     with _gc_paused():  # ~3 objects per chunk, none cyclic: collections only cost time here
         idx = layouts.index(paths, layout=layout, shape=shape, dtype=dtype, offset=offset or None, order=order,
-                            chunks=chunks)
-        source = ChunkSource(dev.name, backend, cache_ref)
-        from dask.base import tokenize
+                            chunks=chunks, **layout_opts)
+        return _from_index(idx, dev, backend, cache_ref)
 
-        name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
-        graph = _graph(name, idx.specs, source)
+
+def multiscale(paths: Any, *, chunks: Any = None, device: Any = None, backend: str | None = None,
+               cache: Any = None, layout: Any = None, **layout_opts: Any) -> list[Any]:
+    """Every resolution level of a pyramid (OME-Zarr, OME-TIFF) as lazy arrays, full resolution first.
+
+    The form napari's multiscale image layers take. Data without a stored pyramid gives
+    one level. Each array's ``attrs`` holds what the format says (``axes``, ``scale``,
+    ``translation``, ``units``); arguments are those of ``from_files``.
+    """
+    from gpulazy import layouts
+
+    dev = get_device(device)
+    backend = _check_backend(backend)
+    cache_ref = _cache_name(cache, dev)
+    with _gc_paused():
+        levels = layouts.levels(paths, layout=layout, chunks=chunks, **layout_opts)
+        return [_from_index(idx, dev, backend, cache_ref) for idx in levels]
+
+
+def _from_index(idx: Any, dev: Device, backend: str | None, cache_ref: Any) -> Any:
+    cache_name = getattr(cache_ref, "name", cache_ref)  # a cache object and its name: one graph name
+    source = ChunkSource(dev.name, backend, cache_ref)
+    from dask.base import tokenize
+
+    name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
+    graph = _graph(name, idx.specs, source)
     arr = _array_class()(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
     arr._gl_attach(idx, source)
     return arr
@@ -246,7 +271,27 @@ def _array_class() -> type:
 
         compute_path: str | None = None
 
+        @property
+        def chunk_index(self) -> Any:
+            """The layout's ``Index``: ``specs`` (block index -> ``ChunkSpec``), ``attrs``, ``paths``.
+
+            ``None`` once the array no longer is the files as they are (changed in place).
+            """
+            return getattr(self, "_gl_index", None) if getattr(self, "_gl_name", None) == self.name else None
+
+        @property
+        def attrs(self) -> dict:
+            """What the format says about the array (``axes``, ``scale``, ...); see ``Index.attrs``."""
+            idx = getattr(self, "_gl_index", None)
+            return dict(idx.attrs) if idx is not None else {}
+
+        @property
+        def chunk_source(self) -> ChunkSource:
+            """Where this array's chunk tasks read through (device, backend, cache)."""
+            return self._gl_source
+
         def _gl_attach(self, idx: Any, source: ChunkSource) -> None:
+            self._gl_index = idx
             self._gl_specs = idx.specs
             self._gl_source = source
             self._gl_name = self.name
@@ -255,7 +300,7 @@ def _array_class() -> type:
         def __reduce__(self):
             if getattr(self, "_gl_name", None) != self.name:  # no longer the files as they are
                 return super().__reduce__()
-            return (_rebuild, (self.dask, self.name, self.chunks, self._meta, self._gl_specs, self._gl_source,
+            return (_rebuild, (self.dask, self.name, self.chunks, self._meta, self._gl_index, self._gl_source,
                                self._gl_order))
 
         def compute(self, **kwargs: Any) -> Any:
@@ -297,9 +342,9 @@ def __getattr__(name: str) -> Any:
 _LOCAL_SCHEDULERS = {"threads", "threading", "sync", "synchronous", "single-threaded"}
 
 
-def _rebuild(graph, name, chunks, meta, specs, source, order) -> Any:
+def _rebuild(graph, name, chunks, meta, idx, source, order) -> Any:
     arr = _array_class()(graph, name, chunks, meta=meta)
-    arr._gl_specs, arr._gl_source, arr._gl_name, arr._gl_order = specs, source, name, order
+    arr._gl_index, arr._gl_specs, arr._gl_source, arr._gl_name, arr._gl_order = idx, idx.specs, source, name, order
     return arr
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "get_layout",
     "guess_layout",
     "index",
+    "levels",
     "resolve_paths",
     "natural_key",
 ]
@@ -85,7 +86,41 @@ def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Ind
     Options (``shape``, ``dtype``, ``offset``, ``order``, ``chunks``) go to the layout;
     those left as ``None`` are not passed, so each layout applies its own defaults.
     """
-    files = resolve_paths(paths)
-    lay = get_layout(layout) if layout is not None else guess_layout(files[0], dtype=opts.get("dtype"))
+    lay = get_layout(layout) if layout is not None else None
+    files = _store(paths, lay)
+    if files is None:
+        files = resolve_paths(paths)
+    if lay is None:
+        lay = guess_layout(files[0], dtype=opts.get("dtype"))
     given = {k: v for k, v in opts.items() if v is not None}
     return lay.index(files, **given)
+
+
+def levels(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> list[Index]:
+    """Every resolution level of ``paths``, full resolution first (one level if it has no pyramid)."""
+    lay = get_layout(layout) if layout is not None else None
+    files = _store(paths, lay)
+    if files is None:
+        files = resolve_paths(paths)
+    if lay is None:
+        lay = guess_layout(files[0], dtype=opts.get("dtype"))
+    given = {k: v for k, v in opts.items() if v is not None}
+    return lay.levels(files, **given)
+
+
+def _store(paths: Any, lay: Layout | None) -> list[str] | None:
+    """``[path]`` when ``paths`` is one directory that a layout reads as a whole (a Zarr store)."""
+    import os
+
+    if not isinstance(paths, (str, os.PathLike)):
+        return None
+    path = os.path.expanduser(os.fspath(paths))
+    if not os.path.isdir(path):
+        return None
+    if lay is not None:
+        return [path] if lay.opens_directories else None
+    for name in layout_names():
+        cls = layout_class(name)
+        if cls.opens_directories and cls.guessable and cls.guess_can_open(path):
+            return [path]
+    return None

@@ -43,6 +43,11 @@ class Index:
         True when several files were stacked along a new axis 0.
     paths
         The files read, in order.
+    attrs
+        What the format says about the array beyond its geometry: ``axes`` (names such
+        as ``("z", "y", "x")``), ``scale`` (physical size per element, per axis),
+        ``translation``, ``units``, ``codec`` (the stored codec, a readable string),
+        ``stored_chunks`` (the stored chunk shape), ``name``. Keys absent when unknown.
     """
 
     shape: tuple[int, ...]
@@ -53,6 +58,7 @@ class Index:
     order: str = "C"
     stacked: bool = False
     paths: tuple[str, ...] = ()
+    attrs: Mapping[str, object] = field(default_factory=dict, compare=False)
     _token: list = field(default_factory=list, repr=False, compare=False)
 
     @property
@@ -90,6 +96,8 @@ class Layout(ABC):
     extensions: ClassVar[tuple[str, ...]] = ()
     #: Whether ``guess_can_open`` can recognise files on its own (raw cannot).
     guessable: ClassVar[bool] = True
+    #: Whether a directory is one dataset of this format (a Zarr store), not a folder of files.
+    opens_directories: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -99,6 +107,10 @@ class Layout(ABC):
     @abstractmethod
     def index(self, paths: Sequence[str], **opts) -> Index:
         """The ``Index`` of ``paths`` (already resolved to regular files, in order)."""
+
+    def levels(self, paths: Sequence[str], **opts) -> list[Index]:
+        """Every resolution level, full resolution first; formats with pyramids override it."""
+        return [self.index(paths, **opts)]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -102,6 +102,8 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
 
 def _spec(tiles: tuple[Tile, ...], bshape: tuple[int, ...], dt: str, codec: Any, fill_value: Any,
           idx: tuple[int, ...], ident: Callable) -> ChunkSpec:
+    if not tiles:  # an empty block (a zero-length axis): nothing to read
+        return ChunkSpec((), bshape, dt, "C", None, (), idx)
     present = [t.range for t in tiles if t.range is not None]
     identity = tuple(ident(p) for p in dict.fromkeys(r.path for r in present))
     if codec is None and _in_order(tiles, bshape):

@@ -18,7 +18,7 @@ from typing import Any
 from gpulazy import config, errors
 from gpulazy.array import from_files, multiscale, read_file, read_files
 from gpulazy.cache import DeviceCache
-from gpulazy.convert import to_jax, to_numpy, to_torch
+from gpulazy.convert import on, to_cupy, to_jax, to_numpy, to_torch
 from gpulazy.device import get_device
 
 # ``gpulazy.stats`` and ``gpulazy.prefetch`` are callables named like their modules:
@@ -43,6 +43,10 @@ __all__ = [
     "to_torch",
     "to_jax",
     "to_numpy",
+    "to_cupy",
+    "on",
+    "release",
+    "cluster",
     "widgets",
     "__version__",
 ]
@@ -50,8 +54,13 @@ __all__ = [
 _LAZY_SUBMODULES = {"widgets", "cli", "testing", "io", "layouts"}
 
 
+_LAZY_FUNCTIONS = {"release": "gpulazy.memory", "cluster": "gpulazy._cluster"}
+
+
 def __getattr__(name: str) -> Any:
     # Heavy or optional submodules load on first use: ``gpulazy.widgets.Dashboard()``.
+    if name in _LAZY_FUNCTIONS:
+        return getattr(importlib.import_module(_LAZY_FUNCTIONS[name]), name)
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"gpulazy.{name}")
     raise AttributeError(f"module 'gpulazy' has no attribute {name!r}")

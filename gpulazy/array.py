@@ -67,10 +67,15 @@ class ChunkSource:
 
     def load(self, spec: ChunkSpec) -> Any:
         """The chunk's array, through the cache when there is one."""
+        from gpulazy.memory import retry_on_oom
+
         cache = self.cache_instance()
+        what = f"reading chunk {spec.index} of {spec.paths[0]!r}" if spec.ranges else "reading a chunk"
         if cache is None:
-            return self.read(spec)
-        return cache.get(spec, self.read)
+            return retry_on_oom(lambda: self.read(spec), device=get_device(self.device), nbytes=spec.out_nbytes,
+                                what=what)
+        return retry_on_oom(lambda: cache.get(spec, self.read), device=cache.device, nbytes=spec.out_nbytes,
+                            what=what)
 
     def prefetch(self, specs: Iterable[ChunkSpec]) -> None:
         """Warm ``specs`` into the cache in the background (no-op without a cache)."""
@@ -379,8 +384,11 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
     cache = source.cache_instance()
     shape = tuple(sum(c) for c in chunks)
     edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
+    from gpulazy.memory import retry_on_oom
+
     with dev.activate():
-        out = dev.xp.empty(shape, dtype=dtype, order=order)
+        out = retry_on_oom(lambda: dev.xp.empty(shape, dtype=dtype, order=order), device=dev,
+                           nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
     pending: deque = deque()
     temp_limit = max(2 * int(config.get("chunk_size")), 256 << 20)
     temp_bytes = 0

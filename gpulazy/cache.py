@@ -57,7 +57,7 @@ from gpulazy.device import Device, get_device
 from gpulazy.errors import ConfigError
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["DeviceCache", "default_cache", "cache_by_name", "resolve_capacity"]
+__all__ = ["DeviceCache", "default_cache", "cache_by_name", "open_caches", "resolve_capacity"]
 
 Loader = Callable[[ChunkSpec], Any]
 
@@ -204,6 +204,8 @@ class DeviceCache:
         self._reserved = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
+        #: Share of the capacity queued read-ahead may take; halved after each out-of-memory.
+        self.readahead_fraction = 1.0
         self.reset_stats()
         _register(self)
 
@@ -357,7 +359,7 @@ class DeviceCache:
                     continue
                 if key in self._jobs or key in self._queue:
                     continue
-                if spec.out_nbytes > self._capacity:
+                if spec.out_nbytes > self._capacity or not self._readahead_room(spec.out_nbytes):
                     self._counts["prefetch_skipped"] += 1
                     continue
                 self._queue[key] = (spec, load)
@@ -380,6 +382,19 @@ class DeviceCache:
                 n = sum(self._queue.pop(s.key, None) is not None for s in specs)
             self._counts["cancelled"] += n
         return n
+
+    def shrink_readahead(self) -> float:
+        """Halve the room read-ahead may take (after an out-of-memory); the new fraction."""
+        with self._lock:
+            self.readahead_fraction = max(self.readahead_fraction / 2, 1 / 64)
+            return self.readahead_fraction
+
+    def _readahead_room(self, nbytes: int) -> bool:
+        # Lock held. Queued plus in-flight read-ahead stays within the (shrinkable) share.
+        if self.readahead_fraction >= 1.0:
+            return True
+        queued = sum(s.out_nbytes for s, _ in self._queue.values())
+        return self._reserved + queued + nbytes <= self.readahead_fraction * self._capacity
 
     def clear(self) -> None:
         """Drop every cached array and every queued prefetch (counters are kept)."""
@@ -660,6 +675,12 @@ def _unregister(cache: DeviceCache) -> None:
     with _registry_lock:
         if _registry.get(cache.name) is cache:
             del _registry[cache.name]
+
+
+def open_caches() -> list[DeviceCache]:
+    """Every open cache in this process (the default caches included)."""
+    with _registry_lock:
+        return [c for c in _registry.values() if not c.closed]
 
 
 def cache_by_name(name: str) -> DeviceCache:

@@ -31,7 +31,7 @@ import numpy as np
 
 from gpulazy.errors import missing_dependency
 
-__all__ = ["to_torch", "to_jax", "to_numpy"]
+__all__ = ["to_torch", "to_jax", "to_numpy", "to_cupy", "on"]
 
 
 # --- what kind of array is this? (without importing cupy, torch, jax or dask) ---
@@ -127,14 +127,20 @@ def _torch_from_dlpack(torch: Any, x: Any, copy: bool | None) -> Any:
     return torch.from_dlpack(x.copy() if copy else x)
 
 
-def to_torch(x: Any, *, copy: bool | None = None) -> Any:
+def to_torch(x: Any, *, device: Any = None, copy: bool | None = None) -> Any:
     """A ``torch.Tensor`` sharing ``x``'s memory: CUDA for CuPy, CPU for NumPy.
+
+    With ``device=`` (``"cpu"``, ``"cuda:1"``, ...) the tensor lands there: zero-copy
+    when ``x`` already is on that device, one copy otherwise.
 
     Parameters
     ----------
     x
         A CuPy array (DLPack, stays on its GPU), a NumPy array (``torch.from_numpy``),
         or a torch tensor (returned as is, unless ``copy=True``).
+    device
+        Where the tensor must be (``"cpu"``, ``"cuda:N"``, a ``torch.device``); ``None``:
+        where ``x`` is.
     copy
         ``None``: share when possible; ``True``: always copy; ``False``: raise
         ``ValueError`` rather than copy.
@@ -155,6 +161,9 @@ def to_torch(x: Any, *, copy: bool | None = None) -> Any:
     """
     _refuse_lazy(x, "to_torch")
     torch = _require("torch", "torch", "gpulazy.to_torch")
+    target = _target(device)
+    if target is not None and _device_of(x) != target.name:
+        return _moved(to_torch(x, copy=copy), target, torch, copy)
     if isinstance(x, torch.Tensor):
         return x.clone() if copy else x
     if isinstance(x, np.ndarray):
@@ -168,7 +177,7 @@ def to_torch(x: Any, *, copy: bool | None = None) -> Any:
 
 # --- jax ---
 
-def to_jax(x: Any, *, copy: bool | None = None) -> Any:
+def to_jax(x: Any, *, device: Any = None, copy: bool | None = None) -> Any:
     """A ``jax.Array`` from a CuPy array (DLPack, same GPU) or a NumPy array (CPU).
 
     JAX arrays are immutable, so a shared buffer must not be written through ``x``
@@ -178,6 +187,8 @@ def to_jax(x: Any, *, copy: bool | None = None) -> Any:
     ----------
     x
         A CuPy or NumPy array, or any DLPack producer.
+    device
+        Where the result must be (``"cpu"``, ``"cuda:N"``); moved there if ``x`` is elsewhere.
     copy
         ``None``: share when possible; ``True``: always copy; ``False``: raise
         ``ValueError`` rather than copy.
@@ -192,6 +203,12 @@ def to_jax(x: Any, *, copy: bool | None = None) -> Any:
     _refuse_lazy(x, "to_jax")
     _require("jax.dlpack", "jax", "gpulazy.to_jax")
     jax = _require("jax", "jax", "gpulazy.to_jax")
+    target = _target(device)
+    if target is not None and _device_of(x) != target.name:
+        # JAX moves arrays between its own devices; hand it over where it is, then move.
+        if copy is False:
+            raise _no_copy_error(type(x).__name__, f"it is on {_device_of(x)}, not {target.name}")
+        return jax.device_put(to_jax(x), _jax_device(jax, target))
     if isinstance(x, jax.Array):
         return jax.numpy.array(x, copy=True) if copy else x
     if isinstance(x, np.ndarray):
@@ -222,7 +239,7 @@ def _jax_from_numpy(jax: Any, a: np.ndarray, copy: bool | None) -> Any:
 
 # --- numpy ---
 
-def to_numpy(x: Any, *, copy: bool | None = None) -> np.ndarray:
+def to_numpy(x: Any, *, device: Any = None, copy: bool | None = None) -> np.ndarray:
     """A NumPy array on the host: ``x`` itself for NumPy, a device-to-host copy for CuPy.
 
     Parameters
@@ -246,6 +263,11 @@ def to_numpy(x: Any, *, copy: bool | None = None) -> np.ndarray:
     (True, False)
     """
     _refuse_lazy(x, "to_numpy")
+    if device is not None and str(device) != "cpu":
+        from gpulazy.errors import DeviceError
+
+        raise DeviceError(f"to_numpy(device={device!r}): NumPy arrays live on the host ('cpu'); "
+                          "use to_cupy/to_torch/to_jax for a GPU")
     if isinstance(x, np.ndarray):
         return x.copy() if copy else x
     if _is_cupy(x):
@@ -261,3 +283,158 @@ def to_numpy(x: Any, *, copy: bool | None = None) -> np.ndarray:
         out = t.numpy()
         return out.copy() if copy else out
     return np.array(x, copy=True) if copy else np.asarray(x)
+
+
+# --- cupy ---
+
+def to_cupy(x: Any, *, device: Any = None, copy: bool | None = None) -> Any:
+    """A CuPy array: zero-copy through DLPack for CUDA arrays on the same GPU, else a copy.
+
+    Parameters
+    ----------
+    x
+        A CuPy, NumPy, torch or JAX array (any DLPack producer or ``np.asarray`` input).
+    device
+        ``"cuda:N"`` (default: ``x``'s GPU, or the current one for host arrays).
+    copy
+        ``None``: share when possible; ``True``: always copy; ``False``: raise
+        ``ValueError`` rather than copy (a host array always needs one).
+
+    Raises
+    ------
+    OptionalDependencyError
+        Without CuPy (``pip install 'gpulazy[gpu]'``).
+    DeviceError
+        For ``device="cpu"`` (CuPy arrays live on GPUs: use ``to_numpy``).
+    """
+    _refuse_lazy(x, "to_cupy")
+    cupy = _require("cupy", "gpu", "gpulazy.to_cupy")
+    target = _target(device)
+    if target is not None and not target.is_gpu:
+        from gpulazy.errors import DeviceError
+
+        raise DeviceError(f"to_cupy(device={device!r}): CuPy arrays live on a GPU; use gpulazy.to_numpy for the host")
+    where = _device_of(x)
+    if not where.startswith("cuda"):
+        if copy is False:
+            raise _no_copy_error(type(x).__name__, "it lives in host memory")
+        with (target or _current_gpu()).activate():
+            return cupy.asarray(to_numpy(x))
+    if target is not None and where != target.name:
+        if copy is False:
+            raise _no_copy_error(type(x).__name__, f"it is on {where}, not {target.name}")
+        src = x if _is_cupy(x) else cupy.from_dlpack(x)
+        with target.activate():
+            return cupy.array(src, copy=True)  # a peer copy between GPUs
+    if _is_cupy(x):
+        return x.copy() if copy else x
+    out = cupy.from_dlpack(x)
+    return out.copy() if copy else out
+
+
+# --- devices ---
+
+def _target(device: Any) -> Any:
+    """The ``gpulazy.device.Device`` for a ``device=`` argument, or ``None``."""
+    if device is None:
+        return None
+    from gpulazy.device import Device, get_device
+
+    if isinstance(device, Device):
+        return device
+    text = str(device)  # also a torch.device or a jax Device's "cuda:0" / "gpu:0"
+    return get_device(text.replace("gpu:", "cuda:") if text.startswith("gpu:") else text)
+
+
+def _current_gpu() -> Any:
+    from gpulazy.device import get_device
+
+    import cupy
+
+    return get_device(f"cuda:{cupy.cuda.runtime.getDevice()}")
+
+
+def _device_of(x: Any) -> str:
+    """``"cpu"`` or ``"cuda:N"``: where ``x``'s memory is (without importing anything)."""
+    if isinstance(x, np.ndarray):
+        return "cpu"
+    if _is_cupy(x):
+        return f"cuda:{x.device.id}"
+    dev = getattr(x, "device", None)
+    if _is_torch(x):
+        return "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    devices = getattr(x, "devices", None)  # jax.Array
+    if callable(devices):
+        (d,) = tuple(devices())
+        return "cpu" if d.platform == "cpu" else f"cuda:{d.id}"
+    return "cpu"
+
+
+def _moved(t: Any, target: Any, torch: Any, copy: bool | None) -> Any:
+    if copy is False:
+        raise _no_copy_error("array", f"it is on {t.device}, not {target.name}")
+    return t.to(target.name, non_blocking=False)
+
+
+def _jax_device(jax: Any, target: Any) -> Any:
+    if not target.is_gpu:
+        return jax.devices("cpu")[0]
+    return jax.devices("gpu")[target.index]
+
+
+# --- decorator ---
+
+_CONVERTERS = {"torch": "to_torch", "jax": "to_jax", "cupy": "to_cupy", "numpy": "to_numpy"}
+
+
+def _is_array(x: Any) -> bool:
+    return (isinstance(x, np.ndarray) or _is_cupy(x) or _is_torch(x)
+            or (hasattr(x, "__dlpack__") and hasattr(x, "shape") and not _is_dask(x)))
+
+
+def on(framework: str, device: Any = None, *, result: str | None = None) -> Any:
+    """Decorator: a function's array arguments arrive as ``framework`` arrays on ``device``.
+
+    ``@gpulazy.on("torch", device="cuda:0")`` converts every positional and keyword
+    argument that is an array (NumPy, CuPy, torch, JAX) with ``to_torch(x, device=...)``
+    — zero-copy where the array already is on that device — and leaves other arguments
+    alone. ``result="cupy"`` (or ``"numpy"``, ``"torch"``, ``"jax"``) converts the
+    returned array (or each array in a returned tuple/list) back; ``None`` leaves it.
+
+    Examples
+    --------
+    >>> import numpy as np, gpulazy
+    >>> @gpulazy.on("numpy")
+    ... def total(a, scale=1):
+    ...     return a.sum() * scale
+    >>> int(total(np.arange(4), scale=2))
+    12
+    """
+    if framework not in _CONVERTERS or (result is not None and result not in _CONVERTERS):
+        bad = framework if framework not in _CONVERTERS else result
+        raise ValueError(f"gpulazy.on: unknown framework {bad!r}; valid: {', '.join(map(repr, _CONVERTERS))}")
+    import functools
+
+    def convert_in(x: Any) -> Any:
+        if not _is_array(x):
+            return x
+        fn = globals()[_CONVERTERS[framework]]
+        return fn(x) if framework == "numpy" else fn(x, device=device)
+
+    def convert_out(x: Any) -> Any:
+        if result is None:
+            return x
+        if isinstance(x, (tuple, list)):
+            return type(x)(convert_out(v) for v in x)
+        return globals()[_CONVERTERS[result]](x) if _is_array(x) else x
+
+    def wrap(func: Any) -> Any:
+        @functools.wraps(func)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(convert_in(a) for a in args)
+            kwargs = {k: convert_in(v) for k, v in kwargs.items()}
+            return convert_out(func(*args, **kwargs))
+
+        return inner
+
+    return wrap

@@ -15,6 +15,7 @@ __all__ = [
     "PerformanceWarning",
     "BackendUnavailableError",
     "DeviceError",
+    "DeviceMemoryError",
     "ConfigError",
     "OptionalDependencyError",
 ]
@@ -73,6 +74,10 @@ class BackendUnavailableError(GpulazyError, RuntimeError):
 
 class DeviceError(GpulazyError, ValueError):
     """An unknown or unusable device name."""
+
+
+class DeviceMemoryError(GpulazyError, MemoryError):
+    """Device memory ran out even after gpulazy evicted its caches; the message gives the figures."""
 
 
 class ConfigError(GpulazyError, ValueError):

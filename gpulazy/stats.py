@@ -60,6 +60,7 @@ class Stats:
             self._events: collections.deque[ReadEvent] = collections.deque()
             self._totals: dict[str, _BackendTotals] = {}
             self._errors = 0
+            self._oom: dict[str, int] = {}
             self._started = time.monotonic()
 
     def record_read(self, *, nbytes: int, seconds: float, backend: str, mode: str, device: str) -> None:
@@ -78,6 +79,11 @@ class Stats:
     def record_error(self) -> None:
         with self._lock:
             self._errors += 1
+
+    def record_oom(self, *, device: str) -> None:
+        """Count one out-of-memory that gpulazy recovered from by evicting (``gpulazy.memory``)."""
+        with self._lock:
+            self._oom[device] = self._oom.get(device, 0) + 1
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window
@@ -113,7 +119,9 @@ class Stats:
             }
             last = self._events[-1] if self._events else None
             errors = self._errors
+            oom = dict(self._oom)
         return {
+            "oom_recoveries": oom,
             "bytes_read": sum(b["bytes"] for b in by_backend.values()),
             "reads": sum(b["reads"] for b in by_backend.values()),
             "read_seconds": sum(b["seconds"] for b in by_backend.values()),

@@ -111,8 +111,8 @@ class _Copier:
         with self.device.activate():
             if self.stream is None:
                 self.stream = cupy.cuda.Stream(non_blocking=True)
-            if wait_event is not None:
-                self.stream.wait_event(wait_event)  # the consumer is done with this buffer
+            for event in wait_event or ():
+                self.stream.wait_event(event)  # the consumer is done with this buffer
             if isinstance(src, np.ndarray):
                 if self.pinned is None:
                     import cupyx
@@ -417,14 +417,29 @@ class Prefetcher:
         return self.__next__()
 
     def _release_event(self) -> Any:
+        """Events on the consumer's streams; the buffer is refilled only after they complete.
+
+        The consumer may read the buffer from CuPy's current stream or, through a zero-copy
+        ``to_torch`` hand-off, from torch's: both are recorded (DALI#5617 is this bug).
+        """
         if not self.device.is_gpu:
             return None
+        import sys
+
         import cupy
 
+        streams = [cupy.cuda.get_current_stream()]
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            ts = torch.cuda.current_stream(self.device.index)
+            streams.append(cupy.cuda.ExternalStream(ts.cuda_stream, self.device.index))
+        events = []
         with self.device.activate():
-            event = cupy.cuda.Event(block=False, disable_timing=True)
-            event.record(cupy.cuda.get_current_stream())
-        return event
+            for stream in streams:
+                event = cupy.cuda.Event(block=False, disable_timing=True)
+                event.record(stream)
+                events.append(event)
+        return tuple(events)
 
     def stats(self) -> dict[str, Any]:
         """``produced`` (buffers filled), ``consumed`` (handed out), ``ready`` (filled, waiting),

@@ -24,7 +24,7 @@ pytest.importorskip("ipykernel")
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
-EXPECTED = ["01-quickstart", "02-prefetch", "03-formats", "04-torch-jax"]
+EXPECTED = ["01-quickstart", "02-prefetch", "03-formats", "04-torch-jax", "05-handoff-cluster"]
 
 
 def ensure_python3_kernel() -> str:
@@ -68,7 +68,7 @@ def outputs_text(nb) -> str:
     return "\n".join(parts)
 
 
-def test_the_four_notebooks_exist_and_are_clean():
+def test_the_notebooks_exist_and_are_clean():
     assert [p.stem for p in NOTEBOOKS] == EXPECTED
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
@@ -85,6 +85,8 @@ CHECKS = {
     "02-prefetch": ["with prefetch:", "without:", "hit rate 0%"],
     "03-formats": ["LayoutError:", "uint16 (4, 4, 4, 4)"],
     "04-torch-jax": ["TypeError: gpulazy.to_numpy got a lazy dask array", "ndarray float32 (2, 128, 128)"],
+    "05-handoff-cluster": ["freed: {'cache_bytes'", "workers: 2 - MIP equal to NumPy: True",
+                           "normalised: ndarray float32 (4, 128, 128)", "same memory as the chunk: True"],
 }
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
-from gpulazy.layouts._common import natural_key, resolve_paths
+from gpulazy.layouts._common import names_collection, natural_key, resolve_paths
 
 __all__ = [
     "Layout",
@@ -85,27 +85,44 @@ def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Ind
 
     Options (``shape``, ``dtype``, ``offset``, ``order``, ``chunks``) go to the layout;
     those left as ``None`` are not passed, so each layout applies its own defaults.
+    Layouts whose ``index`` takes ``stack`` get ``stack=True`` when ``paths`` names a
+    collection (a folder, glob or list, even of one file) and ``stack=False`` for a
+    single path, unless the caller passed ``stack`` itself.
     """
-    lay = get_layout(layout) if layout is not None else None
-    files = _store(paths, lay)
-    if files is None:
-        files = resolve_paths(paths)
-    if lay is None:
-        lay = guess_layout(files[0], dtype=opts.get("dtype"))
-    given = {k: v for k, v in opts.items() if v is not None}
+    lay, files, given = _prepare(paths, layout, opts)
     return lay.index(files, **given)
 
 
 def levels(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> list[Index]:
     """Every resolution level of ``paths``, full resolution first (one level if it has no pyramid)."""
+    lay, files, given = _prepare(paths, layout, opts)
+    return lay.levels(files, **given)
+
+
+def _prepare(paths: Any, layout: str | Layout | None, opts: dict[str, Any]
+             ) -> tuple[Layout, list[str], dict[str, Any]]:
+    """The layout, the resolved files and the options to index ``paths`` with."""
     lay = get_layout(layout) if layout is not None else None
     files = _store(paths, lay)
+    collection = False
     if files is None:
         files = resolve_paths(paths)
+        collection = names_collection(paths)
     if lay is None:
         lay = guess_layout(files[0], dtype=opts.get("dtype"))
     given = {k: v for k, v in opts.items() if v is not None}
-    return lay.levels(files, **given)
+    if "stack" not in given and _takes_stack(lay):
+        # A folder, glob or list stacks even with one file: shapes must not depend on
+        # how many files matched (see Layout.index).
+        given["stack"] = collection
+    return lay, files, given
+
+
+def _takes_stack(lay: Layout) -> bool:
+    import inspect
+
+    params = inspect.signature(lay.index).parameters
+    return "stack" in params
 
 
 def _store(paths: Any, lay: Layout | None) -> list[str] | None:

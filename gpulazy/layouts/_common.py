@@ -24,12 +24,14 @@ from gpulazy.spec import ByteRange, ChunkSpec
 
 __all__ = [
     "resolve_paths",
+    "names_collection",
     "natural_key",
     "check_dtype",
     "default_chunks",
     "normalize_chunks",
     "c_ranges",
     "FileStack",
+    "stacks",
 ]
 
 _DTYPE_EXAMPLES = "'uint8', 'uint16', '>u2' (big-endian), 'int32', 'float32', '<f8', 'complex64'"
@@ -61,6 +63,24 @@ def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
     for p in items:
         _check_file(p, listed=True)
     return items
+
+
+def names_collection(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> bool:
+    """Whether ``paths`` names a collection of files (a directory, a glob or a sequence).
+
+    A collection always stacks along a new leading axis, even when it holds one file, so
+    an array's shape does not depend on how many files matched; a single file does not
+    stack. A path that exists as a file is a single file even if it contains ``*`` or ``[``.
+
+    >>> names_collection("scan/*.raw"), names_collection(["a.raw"]), names_collection("a.raw")
+    (True, True, False)
+    """
+    if not isinstance(paths, (str, os.PathLike)):
+        return True
+    path = os.path.expanduser(os.fspath(paths))
+    if os.path.isdir(path):
+        return True
+    return not os.path.exists(path) and glob.has_magic(path)
 
 
 def _resolve_one(path: str) -> list[str]:
@@ -259,6 +279,21 @@ def _bounds(chunks: Sequence[int]) -> list[tuple[int, int]]:
 
 
 # -- a stack of equally shaped files ----------------------------------------------------
+def stacks(stack: bool | None, files: Sequence[Any]) -> bool:
+    """Whether ``files`` stack along a new axis 0.
+
+    ``stack`` is what ``layouts.index`` passes (``names_collection`` of the user's
+    paths): a folder, glob or list stacks even when it holds one file. ``None`` (a
+    layout called directly) stacks when there are several files.
+    """
+    if stack is None:
+        return len(files) > 1
+    if not stack and len(files) > 1:
+        raise LayoutError(f"stack=False needs exactly one file, but {len(files)} were given "
+                          f"({files[0]!r}, ...); leave stack unset to stack them along a new axis 0")
+    return bool(stack)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file: its path, where its elements start, and its identity for cache keys."""

@@ -130,7 +130,7 @@ def test_user_chunks_dask_style():
     assert normalize_chunks(((1, 4), (4,)), (5, 4), dt) == ((1, 4), (4,))
     with pytest.raises(LayoutError, match="axes"):
         normalize_chunks({3: 1}, (5, 4), dt)
-    with pytest.raises(LayoutError, match="do not fit"):
+    with pytest.raises(LayoutError, match="add up to 2, not 5"):
         normalize_chunks(((1, 1), (4,)), (5, 4), dt)
 
 

@@ -36,7 +36,10 @@ def test_package_data_present():
 def test_version_matches_metadata():
     import gpulazy
 
-    assert gpulazy.__version__ == PYPROJECT["project"]["version"] == md.version("gpulazy")
+    # One place: gpulazy/_version.py, which pyproject.toml reads (dynamic version).
+    assert "version" in PYPROJECT["project"]["dynamic"] and "version" not in PYPROJECT["project"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gpulazy._version.__version__"}
+    assert gpulazy.__version__ == md.version("gpulazy")
 
 
 def test_console_script_entry_point_resolves():

@@ -148,3 +148,17 @@ def test_unknown_bytes_keep_the_raw_hint(tmp_path):
     p = _write(tmp_path / "x.raw", b"\x01\x02\x03\x04", size=64)
     with pytest.raises(LayoutError, match="pass dtype=.*offset="):
         gpulazy.from_files(p, device="cpu")
+
+
+def test_raw_size_error_names_a_known_format_instead_of_an_offset_hint(tmp_path):
+    import tifffile
+
+    p = str(tmp_path / "a.tif")
+    tifffile.imwrite(p, np.zeros((64, 64), "u2"))
+    with pytest.raises(LayoutError) as info:
+        gpulazy.from_files(p, dtype="u2", shape=(64, 64), device="cpu")  # read as raw, on purpose
+    message = str(info.value)
+    assert "it looks like a TIFF file" in message and "pass offset=" not in message
+    q = _write(tmp_path / "plain.raw", b"\x01\x02", size=8192 + 100)  # unknown bytes keep the hint
+    with pytest.raises(LayoutError, match="pass offset=100"):
+        gpulazy.from_files(q, dtype="u2", shape=(64, 64), device="cpu")

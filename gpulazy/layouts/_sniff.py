@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["Format", "sniff", "zarr_store_of", "describe", "mixed_kinds"]
+__all__ = ["Format", "sniff", "zarr_store_of", "describe", "looks_like", "mixed_kinds"]
 
 _HEAD = 1024  # bytes read: enough for every magic below (MRC's is at 208)
 
@@ -157,10 +157,25 @@ def describe(path: str, known: Sequence[str]) -> str:
     else:
         head = f"cannot tell how to read {path!r}: it looks like {_a(fmt.name)}, which"
         target = "it"
+    return f"{head} {_what_reads(fmt, known, target)}"
+
+
+def _what_reads(fmt: Format, known: Sequence[str], target: str = "it") -> str:
     if fmt.layout in known:
-        return f"{head} gpulazy reads with layout={fmt.layout!r}: pass {target} with layout={fmt.layout!r}"
+        return f"gpulazy reads with layout={fmt.layout!r}: pass {target} with layout={fmt.layout!r}"
     yet = " yet" if fmt.layout in _PLANNED else ""
-    return f"{head} gpulazy does not read{yet}; read it with {fmt.other}"
+    return f"gpulazy does not read{yet}; read it with {fmt.other}"
+
+
+def looks_like(path: str, known: Sequence[str]) -> str | None:
+    """``"it looks like a TIFF file, which ..."`` when ``path`` is of a known non-raw format, else ``None``.
+
+    For errors about raw reads of such a file: a header-offset hint would be misleading.
+    """
+    fmt = sniff(path)
+    if fmt is None or fmt.path is not None or fmt.name == "text file":
+        return None
+    return f"it looks like {_a(fmt.name)}, which {_what_reads(fmt, known)}"
 
 
 def _kind(path: str) -> str:

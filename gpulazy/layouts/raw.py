@@ -78,12 +78,22 @@ def _shape_from_size(path: str, size: int, offset: int, itemsize: int) -> tuple[
     return (data // itemsize,)
 
 
+def _looks_like(path: str) -> str | None:
+    from gpulazy.layouts import layout_names
+    from gpulazy.layouts._sniff import looks_like
+
+    return looks_like(path, [n for n in layout_names() if n != "raw"])
+
+
 def _size_error(path: str, actual: int, expected: int, shape: tuple[int, ...], dt: Any, offset: int,
                 nfiles: int) -> LayoutError:
     what = "each file" if nfiles > 1 else "the file"
     hint = ""
     extra = actual - expected
-    if extra > 0 and offset == 0:
+    looks = _looks_like(path)
+    if looks:  # a TIFF read as raw: name the format, not a header size that fits by chance
+        hint = f"; {looks}"
+    elif extra > 0 and offset == 0:
         hint = f"; if the file starts with a {extra}-byte header, pass offset={extra}"
     return LayoutError(
         f"file {path!r} has {actual} bytes but {expected} were expected "

@@ -1,6 +1,6 @@
 """Read-ahead benchmark: a read-then-compute pass, with and without ``gpulazy.prefetch``.
 
-The design target (shared/DESIGN.md): with prefetch on, a read-then-compute loop takes
+The design target (docs/ARCHITECTURE.md, "Targets"): with prefetch on, a read-then-compute loop takes
 at most 1.15 x max(read time, compute time). This script builds a raw float32 volume
 (warm in the page cache after writing), calibrates a per-chunk compute to take about as
 long as reading that chunk, and times four passes over all chunks:

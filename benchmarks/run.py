@@ -34,7 +34,7 @@ except ImportError:  # run from a checkout that is not installed
 from gpulazy import _bench, config  # noqa: E402
 from gpulazy.device import get_device  # noqa: E402
 
-# The design's targets (shared/DESIGN.md, "Targets").
+# The design's targets (docs/ARCHITECTURE.md, "Targets").
 WARM_GBPS = 45.0
 WARM_OF_PINNED = 0.8
 COLD_OF_ODIRECT = 0.95

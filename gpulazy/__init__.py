@@ -26,7 +26,7 @@ from gpulazy.device import get_device
 from gpulazy.prefetch import Prefetcher, prefetch
 from gpulazy.stats import stats
 
-__version__ = "0.1.0"
+from gpulazy._version import __version__
 
 __all__ = [
     "from_files",

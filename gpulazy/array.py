@@ -105,7 +105,8 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
     paths
         A file, a glob (``"scan/*.raw"``), a directory (its regular, non-hidden files) or
         a sequence of files. Globs and directories are sorted naturally (``z2`` before
-        ``z10``). Several files stack along a new axis 0.
+        ``z10``). A directory, glob or sequence stacks its files along a new axis 0, even
+        when it holds one file; a single path does not (``stack=False``/``True`` overrides).
     shape
         Raw files: the shape of ONE file (default: 1-D from the file size). ``.npy``
         files: optional, checked against the header.
@@ -119,7 +120,9 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
         ``.npy`` files use their header's order. A multi-file Fortran-order stack has
         one file per chunk along axis 0.
     chunks
-        Dask-style chunks (int, tuple, dict ``{axis: size}``, ``"auto"``). Default:
+        Any spelling ``dask.array`` takes: an int, ``-1``, ``"auto"``, a byte size
+        (``"16MiB"``: contiguous slabs up to that size), a tuple with one entry per axis
+        (ints, ``-1``, ``None``, ``"auto"``, block lengths), a dict ``{axis: ...}``. Default:
         contiguous slabs of whole planes along axis 0 of about ``config chunk_size``
         (128 MiB), several small files per chunk for a stack.
     device

@@ -378,6 +378,23 @@ def _check_args(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"no such file or folder: {args.path!r}")
         if not args.path and not args.generate:
             args.generate = "4GiB" if get_device(args.device).is_gpu else "1GiB"
+        # Everything a run needs at its end is checked before it starts (it can take minutes).
+        if args.plot:
+            from gpulazy.convert import _require
+
+            _require("matplotlib", "notebook", "gpulazy bench --plot")
+        for flag, out in (("--plot", args.plot), ("--json", args.json)):
+            _check_writable(flag, out)
+
+
+def _check_writable(flag: str, path: str | None) -> None:
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"{flag} {path!r}: the folder {folder!r} is not writable")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

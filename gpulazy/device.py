@@ -18,7 +18,7 @@ import numpy as np
 from gpulazy import config
 from gpulazy.errors import DeviceError
 
-__all__ = ["Device", "get_device", "gpu_count", "gpu_unavailable_reason"]
+__all__ = ["Device", "get_device", "gpu_count", "gpu_unavailable_reason", "no_gpu_reason"]
 
 
 @functools.cache
@@ -27,14 +27,63 @@ def _probe_gpus() -> tuple[int, str]:
     try:
         import cupy
     except ImportError as e:
-        return 0, f"CuPy is not installed ({e}); install it with: pip install 'gpulazy[gpu]'"
+        return 0, no_gpu_reason(cupy_missing=str(e))
     try:
         n = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as e:  # CUDARuntimeError, missing driver library, ...
-        return 0, f"CuPy found no usable CUDA device: {type(e).__name__}: {e}"
+        driver, runtime = _cuda_versions(cupy)
+        return 0, no_gpu_reason(error=f"{type(e).__name__}: {e}", driver=driver, runtime=runtime)
     if n == 0:
-        return 0, "CuPy reports 0 CUDA devices"
+        return 0, no_gpu_reason(error="0 CUDA devices", driver=_cuda_versions(cupy)[0])
     return n, ""
+
+
+def _cuda_versions(cupy: Any) -> tuple[int | None, int | None]:
+    """``(driver, runtime)`` CUDA versions as ``1000 * major + 10 * minor``; the driver's is 0 without one."""
+    out: list[int | None] = []
+    for name in ("driverGetVersion", "runtimeGetVersion"):
+        try:
+            out.append(int(getattr(cupy.cuda.runtime, name)()))
+        except Exception:  # libcuda cannot even be loaded
+            out.append(None)
+    return out[0], out[1]
+
+
+def _cuda_text(version: int) -> str:
+    return f"CUDA {version // 1000}.{version % 1000 // 10}"
+
+
+_USE_CPU = "gpulazy uses the CPU (NumPy arrays) instead"
+
+
+def no_gpu_reason(*, error: str = "", driver: int | None = None, runtime: int | None = None,
+                  cupy_missing: str | None = None) -> str:
+    """Why no GPU can be used, and what to do, from what the probe saw.
+
+    Three cases are told apart: CuPy not installed; no NVIDIA driver or device (the
+    driver's CUDA version is 0 or unknown, or the runtime says there is no device);
+    a driver too old for the CUDA version CuPy was built for.
+
+    >>> no_gpu_reason(error="cudaErrorInsufficientDriver", driver=12020, runtime=13000)[:60]
+    'the NVIDIA driver is too old for this CUDA build (driver sup'
+    """
+    if cupy_missing is not None:
+        return (f"CuPy is not installed ({cupy_missing}); {_USE_CPU}. On a machine with an NVIDIA GPU, "
+                "install the GPU packages with: pip install 'gpulazy[gpu]'")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not driver or "NoDevice" in error or error == "0 CUDA devices":
+        if driver and visible is not None and not visible.strip(" ,"):
+            return (f"no CUDA device is visible: CUDA_VISIBLE_DEVICES is set to {visible!r}; "
+                    f"unset it to use the GPU; {_USE_CPU}")
+        seen = (f"no NVIDIA GPU found (the driver, for {_cuda_text(driver)}, reports no CUDA device)" if driver
+                else "no NVIDIA driver or GPU found (CuPy finds no CUDA driver)")
+        return (f"{seen}; {_USE_CPU}. To use a GPU, run on a machine with an NVIDIA GPU and its driver "
+                "installed (nvidia-smi lists them)")
+    if runtime and driver < runtime:
+        return (f"the NVIDIA driver is too old for this CUDA build (driver supports {_cuda_text(driver)}, "
+                f"CuPy was built for {_cuda_text(runtime)}); update the NVIDIA driver, or install the "
+                f"CuPy and KvikIO wheels for CUDA {driver // 1000} (e.g. cupy-cuda{driver // 1000}x); {_USE_CPU}")
+    return f"CuPy cannot use the GPU ({error}); {_USE_CPU}"
 
 
 def gpu_count() -> int:

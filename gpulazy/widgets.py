@@ -17,6 +17,7 @@ ipywidgets (``pip install 'gpulazy[notebook]'``); ``ProgressBar`` falls back to 
 
 from __future__ import annotations
 
+import collections
 import html
 import os
 import sys
@@ -578,19 +579,29 @@ def read_task_counts(dsk: dict[Any, Any]) -> dict[Any, int]:
     return counts
 
 
+_MIN_RATE_SECONDS = 0.2  # no rate from a shorter span: 1000 cached chunks in 5 ms is not 200,000 chunks/s
+
+
 class ProgressBar(Callback):
-    """Progress of a dask compute: chunks read / total, bytes read, GB/s.
+    """Progress of a dask compute: chunks read / total, bytes read, GB/s, chunks/s, ETA.
 
     A ``dask.callbacks.Callback`` for the local schedulers, used like
     ``dask.diagnostics.ProgressBar``. It counts chunk reads (``load_chunk`` tasks, also
-    inside fused tasks), or every task when the graph reads no chunk. Bytes and GB/s
-    are deltas of ``gpulazy.stats()``. Shown as an ipywidgets bar inside a Jupyter
-    kernel and as a tqdm bar elsewhere, and only if the compute lasts ``minimum`` s.
+    inside fused tasks), or every task when the graph reads no chunk. Bytes are deltas
+    of ``gpulazy.stats()``. Shown as an ipywidgets bar inside a Jupyter kernel and as a
+    tqdm bar elsewhere, and **only once the compute has lasted** ``minimum`` **seconds
+    (0.5 s by default)**: a shorter compute shows nothing (pass ``minimum=0`` to always
+    show the bar); its figures are in the attributes either way.
+
+    While the compute runs, GB/s and chunks/s are those of the last two seconds (none
+    before 0.2 s have passed) and the ETA follows the compute's average chunk rate.
+    When it ends, the figures are those of the whole compute (bytes / its duration,
+    chunks / its duration), the ETA is 0 and nothing updates any more.
 
     Parameters
     ----------
     minimum
-        Show nothing for computes shorter than this (seconds).
+        Show nothing for computes shorter than this (seconds; default 0.5).
     dt
         Seconds between refreshes.
     terminal
@@ -600,26 +611,31 @@ class ProgressBar(Callback):
         Where tqdm writes (default ``sys.stderr``).
     stats
         The ``Stats`` to read bytes from (default ``gpulazy.stats()``).
+    clock
+        The clock in seconds (default ``time.perf_counter``; tests pass a fake one).
 
     Examples
     --------
     >>> with ProgressBar():                                   # doctest: +SKIP
     ...     vol.max(axis=0).compute()
-    >>> vol.sum().compute(callbacks=[ProgressBar()])          # doctest: +SKIP
+    >>> vol.sum().compute(callbacks=[ProgressBar(minimum=0)]) # doctest: +SKIP
     >>> pb = ProgressBar(terminal=True); pb.register()        # doctest: +SKIP
 
-    After a compute, ``done``, ``total``, ``bytes_read``, ``elapsed`` and ``gbps`` hold
-    its figures.
+    After a compute, ``done``, ``total``, ``bytes_read``, ``elapsed``, ``gbps``, ``rate``
+    (chunks or tasks per second) and ``eta`` (seconds, 0 when done) hold its figures.
     """
 
+    window = 2.0  # seconds of the running rates
+
     def __init__(self, minimum: float = 0.5, dt: float = 0.1, *, terminal: bool | None = None,
-                 file: Any = None, stats: Stats | None = None):
+                 file: Any = None, stats: Stats | None = None, clock: Callable[[], float] | None = None):
         super().__init__()
         self.minimum = float(minimum)
         self.dt = float(dt)
         self.terminal = terminal
         self.file = file
         self._stats = stats if stats is not None else default_stats()
+        self._clock = clock or time.perf_counter
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
@@ -641,13 +657,17 @@ class ProgressBar(Callback):
         self.counting = "reads"
         self.bytes_read = 0
         self.gbps = 0.0
+        self.rate: float | None = None
+        self.eta: float | None = None
         self.elapsed = 0.0
+        self.finished = False
         self.errored = False
         self.last_error: str | None = None
         self.kind: str | None = None  # "widget" or "tqdm" once shown
         self._weights: dict[Any, int] = {}
         self._bytes0 = 0
-        self._t0 = time.perf_counter()
+        self._t0 = self._clock()
+        self._samples: collections.deque[tuple[float, int, int]] = collections.deque([(self._t0, 0, 0)])
         self._bar: Any = None
         self._widgets: Any = None
 
@@ -662,7 +682,8 @@ class ProgressBar(Callback):
         self._weights = weights
         self.total = sum(weights.values())
         self._bytes0 = int(self._stats.snapshot()["bytes_read"])
-        self._t0 = time.perf_counter()
+        self._t0 = self._clock()
+        self._samples = collections.deque([(self._t0, 0, 0)])
         self._stop.clear()
         self._timer = threading.Thread(target=self._run, name="gpulazy-progress", daemon=True)
         self._timer.start()
@@ -678,23 +699,53 @@ class ProgressBar(Callback):
         self.errored = bool(errored)
         if not errored:
             self.done = self.total  # tasks already in the cache never ran
-        self._measure()
+        self._measure(final=True)
         if self._bar is not None or self.elapsed >= self.minimum:
             self._draw(final=True)
 
     # -- figures and drawing ------------------------------------------------------------
-    def _measure(self) -> None:
-        self.elapsed = time.perf_counter() - self._t0
+    def _measure(self, final: bool = False) -> None:
+        now = self._clock()
+        self.elapsed = now - self._t0
         self.bytes_read = max(int(self._stats.snapshot()["bytes_read"]) - self._bytes0, 0)
-        window = min(2.0, max(self.elapsed, self.dt, 1e-3))
-        recent = self._stats.throughput(window) / 1e9
-        self.gbps = recent if self.elapsed >= 2.0 else self.bytes_read / max(self.elapsed, 1e-9) / 1e9
+        done = self.done
+        if final:
+            # The whole compute's figures, not the last seconds': reads that ended before a
+            # slow last task still count, and nothing moves once it is over.
+            self.finished = True
+            span = max(self.elapsed, 1e-9)
+            self.gbps = self.bytes_read / span / 1e9
+            self.rate = done / span
+            self.eta = 0.0 if not self.errored else None
+            return
+        samples = self._samples
+        samples.append((now, self.bytes_read, done))
+        while len(samples) > 2 and now - samples[1][0] >= self.window:
+            samples.popleft()
+        t_old, b_old, d_old = samples[0]
+        if now - t_old < _MIN_RATE_SECONDS:
+            self.gbps, self.rate, self.eta = 0.0, None, None
+            return
+        self.gbps = (self.bytes_read - b_old) / (now - t_old) / 1e9
+        self.rate = (done - d_old) / (now - t_old)
+        average = done / self.elapsed
+        self.eta = (self.total - done) / average if average > 0 else None
 
     def text(self) -> str:
         """The one-line summary shown beside the bar."""
         unit = "chunks" if self.counting == "reads" else "tasks"
-        return (f"{self.done}/{self.total} {unit} · {format_bytes(self.bytes_read)} read · "
-                f"{self.gbps:.2f} GB/s · {self.elapsed:.1f} s")
+        return f"{self.done}/{self.total} {unit} · {self._figures(unit)}"
+
+    def _figures(self, unit: str) -> str:
+        parts = [f"{format_bytes(self.bytes_read)} read"]
+        if self.rate is None:
+            parts.append("– GB/s")
+        else:
+            parts += [f"{self.gbps:.2f} GB/s", f"{self.rate:,.0f} {unit}/s"]
+        parts.append(f"{self.elapsed:.1f} s")
+        if not self.finished and self.eta is not None:
+            parts.append(f"ETA {self.eta:.0f} s")
+        return " · ".join(parts)
 
     def _run(self) -> None:
         while not self._stop.wait(self.dt):
@@ -744,8 +795,12 @@ class ProgressBar(Callback):
                 pass  # no ipywidgets: tqdm prints to the notebook's stderr instead
         from tqdm.std import tqdm  # plain text: tqdm.auto would need ipywidgets in a notebook
 
+        # tqdm's own rate, elapsed and ETA are left out: its clock starts when the bar
+        # opens (after ``minimum``), so its first rate divides the chunks done before by
+        # almost nothing. ``text()`` carries the compute's own figures instead.
         self._bar = tqdm(total=self.total, unit=" chunks" if self.counting == "reads" else " tasks",
-                         desc="gpulazy", file=self.file, leave=True, dynamic_ncols=True)
+                         desc="gpulazy", file=self.file, leave=True, dynamic_ncols=True,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{unit}{postfix}")
         self.kind = "tqdm"
 
     def _draw_widget(self, final: bool) -> None:
@@ -757,8 +812,7 @@ class ProgressBar(Callback):
 
     def _draw_tqdm(self, final: bool) -> None:
         bar = self._bar
-        if self.done > bar.n:
-            bar.update(self.done - bar.n)  # update(), not n=: tqdm's rate comes from it
-        bar.set_postfix_str(f"{format_bytes(self.bytes_read)} read, {self.gbps:.2f} GB/s", refresh=not final)
+        bar.n = self.done
+        bar.set_postfix_str(self._figures("chunks" if self.counting == "reads" else "tasks"), refresh=True)
         if final:
             bar.close()

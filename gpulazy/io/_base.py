@@ -29,12 +29,21 @@ def total_bytes(ranges: Sequence[ByteRange]) -> int:
 
 
 def short_read_error(r: ByteRange, got: int, *, backend: str, at: int | None = None) -> ChunkReadError:
-    """The error for a read of ``r`` that returned ``got`` bytes instead of ``r.nbytes``."""
-    where = r.offset if at is None else at
+    """The error for a read of ``r`` that returned ``got`` bytes instead of ``r.nbytes``.
+
+    ``at`` is where the file ended (default: ``r.offset + got``). The message names the
+    range asked for and where the file ended, once each:
+
+    >>> from gpulazy.spec import ByteRange
+    >>> print(short_read_error(ByteRange("f.raw", 96, 96), 4, backend="posix", at=100))
+    short read of 'f.raw': asked for bytes 96 to 192 (96 bytes) but the file ends at byte 100, so 4 were read (posix backend); the file may have been truncated or replaced after it was opened
+    """
+    end = r.offset + got if at is None else at
     return ChunkReadError(
-        f"short read of {r.path!r} at offset {where}: expected {r.nbytes} bytes from offset {r.offset}, "
-        f"got {got} ({backend} backend); the file may have been truncated or replaced after it was opened",
-        path=r.path, offset=where, expected=r.nbytes, got=got,
+        f"short read of {r.path!r}: asked for bytes {r.offset} to {r.offset + r.nbytes} ({r.nbytes} bytes) "
+        f"but the file ends at byte {end}, so {got} were read ({backend} backend); the file may have "
+        "been truncated or replaced after it was opened",
+        path=r.path, offset=end, expected=r.nbytes, got=got,
     )
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 
+import os
 from typing import Any
 
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
-from gpulazy.layouts._common import natural_key, resolve_paths
+from gpulazy.layouts._common import names_collection, natural_key, resolve_paths
 
 __all__ = [
     "Layout",
@@ -74,10 +75,10 @@ def guess_layout(path: str, *, dtype: Any = None) -> Layout:
             return cls()
     if dtype is not None:
         return layout_class("raw")()
-    known = [n for n in layout_names() if n != "raw"]
-    raise LayoutError(
-        f"cannot tell how to read {path!r}: it is none of the known formats ({', '.join(known)}); "
-        "to read it as raw binary, pass dtype= (and shape=, offset= for a header)")
+    from gpulazy.layouts._sniff import describe
+
+    # Name what the file looks like and what reads it, not only what gpulazy knows.
+    raise LayoutError(describe(path, [n for n in layout_names() if n != "raw"]))
 
 
 def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Index:
@@ -85,33 +86,71 @@ def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Ind
 
     Options (``shape``, ``dtype``, ``offset``, ``order``, ``chunks``) go to the layout;
     those left as ``None`` are not passed, so each layout applies its own defaults.
+    Layouts whose ``index`` takes ``stack`` get ``stack=True`` when ``paths`` names a
+    collection (a folder, glob or list, even of one file) and ``stack=False`` for a
+    single path, unless the caller passed ``stack`` itself.
     """
-    lay = get_layout(layout) if layout is not None else None
-    files = _store(paths, lay)
-    if files is None:
-        files = resolve_paths(paths)
-    if lay is None:
-        lay = guess_layout(files[0], dtype=opts.get("dtype"))
-    given = {k: v for k, v in opts.items() if v is not None}
+    lay, files, given = _prepare(paths, layout, opts)
     return lay.index(files, **given)
 
 
 def levels(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> list[Index]:
     """Every resolution level of ``paths``, full resolution first (one level if it has no pyramid)."""
+    lay, files, given = _prepare(paths, layout, opts)
+    return lay.levels(files, **given)
+
+
+def _prepare(paths: Any, layout: str | Layout | None, opts: dict[str, Any]
+             ) -> tuple[Layout, list[str], dict[str, Any]]:
+    """The layout, the resolved files and the options to index ``paths`` with."""
     lay = get_layout(layout) if layout is not None else None
     files = _store(paths, lay)
+    collection = False
     if files is None:
+        _check_not_a_store(paths)
         files = resolve_paths(paths)
+        collection = names_collection(paths)
+        if collection and isinstance(paths, (str, os.PathLike)):
+            _check_one_kind(paths, files)
     if lay is None:
         lay = guess_layout(files[0], dtype=opts.get("dtype"))
     given = {k: v for k, v in opts.items() if v is not None}
-    return lay.levels(files, **given)
+    if "stack" not in given and _takes_stack(lay):
+        # A folder, glob or list stacks even with one file: shapes must not depend on
+        # how many files matched (see Layout.index).
+        given["stack"] = collection
+    return lay, files, given
+
+
+def _check_not_a_store(paths: Any) -> None:
+    """A Zarr store no layout opens is named as the store, not by a file inside it."""
+    if isinstance(paths, (str, os.PathLike)) and os.path.isdir(os.path.expanduser(os.fspath(paths))):
+        from gpulazy.layouts._sniff import describe, zarr_store_of
+
+        path = os.path.expanduser(os.fspath(paths))
+        store = zarr_store_of(path)
+        if store is not None and store.path == os.path.abspath(path):
+            raise LayoutError(describe(path, [n for n in layout_names() if n != "raw"]))
+
+
+def _check_one_kind(pattern: Any, files: list[str]) -> None:
+    """A folder or glob must name files of one kind; say which differ and suggest a glob."""
+    from gpulazy.layouts._sniff import mixed_kinds
+
+    mixed = mixed_kinds(files)
+    if mixed:
+        raise LayoutError(f"{os.fspath(pattern)!r}: {mixed}")
+
+
+def _takes_stack(lay: Layout) -> bool:
+    import inspect
+
+    params = inspect.signature(lay.index).parameters
+    return "stack" in params
 
 
 def _store(paths: Any, lay: Layout | None) -> list[str] | None:
     """``[path]`` when ``paths`` is one directory that a layout reads as a whole (a Zarr store)."""
-    import os
-
     if not isinstance(paths, (str, os.PathLike)):
         return None
     path = os.path.expanduser(os.fspath(paths))

@@ -106,7 +106,15 @@ class Layout(ABC):
 
     @abstractmethod
     def index(self, paths: Sequence[str], **opts) -> Index:
-        """The ``Index`` of ``paths`` (already resolved to regular files, in order)."""
+        """The ``Index`` of ``paths`` (already resolved to regular files, in order).
+
+        A layout that reads one array per file and stacks several files takes a
+        ``stack: bool | None = None`` option: ``layouts.index`` passes ``stack=True``
+        when the user named a collection (a folder, a glob or a list), so the files
+        stack along a new axis 0 even when there is only one, and ``stack=False`` for a
+        single path. ``None`` (a direct call) stacks when there are several files.
+        ``gpulazy.layouts._common.stacks`` implements that rule.
+        """
 
     def levels(self, paths: Sequence[str], **opts) -> list[Index]:
         """Every resolution level, full resolution first; formats with pyramids override it."""

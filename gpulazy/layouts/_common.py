@@ -24,12 +24,14 @@ from gpulazy.spec import ByteRange, ChunkSpec
 
 __all__ = [
     "resolve_paths",
+    "names_collection",
     "natural_key",
     "check_dtype",
     "default_chunks",
     "normalize_chunks",
     "c_ranges",
     "FileStack",
+    "stacks",
 ]
 
 _DTYPE_EXAMPLES = "'uint8', 'uint16', '>u2' (big-endian), 'int32', 'float32', '<f8', 'complex64'"
@@ -61,6 +63,24 @@ def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
     for p in items:
         _check_file(p, listed=True)
     return items
+
+
+def names_collection(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> bool:
+    """Whether ``paths`` names a collection of files (a directory, a glob or a sequence).
+
+    A collection always stacks along a new leading axis, even when it holds one file, so
+    an array's shape does not depend on how many files matched; a single file does not
+    stack. A path that exists as a file is a single file even if it contains ``*`` or ``[``.
+
+    >>> names_collection("scan/*.raw"), names_collection(["a.raw"]), names_collection("a.raw")
+    (True, True, False)
+    """
+    if not isinstance(paths, (str, os.PathLike)):
+        return True
+    path = os.path.expanduser(os.fspath(paths))
+    if os.path.isdir(path):
+        return True
+    return not os.path.exists(path) and glob.has_magic(path)
 
 
 def _resolve_one(path: str) -> list[str]:
@@ -183,34 +203,115 @@ def default_chunks(shape: Sequence[int], itemsize: int, *, order: str = "C", sta
     return tuple(_split(n, s) for n, s in zip(shape, sizes))
 
 
+_CHUNK_FORMS = ("an int (-1: the whole axis), 'auto', a byte size such as '16MiB', None, a tuple with one "
+                "of those per axis or the block lengths of each axis, or a dict {axis: one of those}")
+
+
 def normalize_chunks(chunks: Any, shape: Sequence[int], dtype: np.dtype, *, order: str = "C",
                      stacked: bool = False) -> tuple[tuple[int, ...], ...]:
-    """Dask-style ``chunks`` (None/"auto", int, tuple, dict) as a tuple of tuples.
+    """Every chunk spelling ``dask.array`` accepts, as a tuple of tuples.
 
-    ``None`` and ``"auto"`` give ``default_chunks``; a dict fills the axes it does not
-    name from ``default_chunks``. A multi-file Fortran-order stack always gets one file
-    per block along axis 0.
+    ``None``, ``"auto"`` and a byte size (``"16MiB"``) give contiguous slabs of about
+    ``config chunk_size`` (or that size) bytes (``default_chunks``). Per axis: an int
+    (``-1``: the whole axis), ``None`` (the whole axis), ``"auto"``, a byte size (all
+    byte sizes in one spelling must agree: it is the block's limit) or the block lengths.
+    A dict ``{axis: ...}`` fills the axes it does not name from ``default_chunks``. A
+    multi-file Fortran-order stack always gets one file per block along axis 0. Errors
+    are ``LayoutError`` saying which axis and value is wrong.
+
+    >>> normalize_chunks({0: 2, 1: -1}, (5, 4), np.dtype("u2"))
+    ((2, 2, 1), (4,))
+    >>> normalize_chunks("64B", (8, 8), np.dtype("u1"))
+    ((8,), (8,))
     """
     from dask.array.core import normalize_chunks as dask_normalize
 
     shape = tuple(shape)
-    default = default_chunks(shape, dtype.itemsize, order=order, stacked=stacked)
-    if chunks is None or (isinstance(chunks, str) and chunks == "auto"):
-        return default
+    limit = _chunk_limit(chunks, shape)
+    default = default_chunks(shape, dtype.itemsize, order=order, stacked=stacked, target=limit)
+    if chunks is None or isinstance(chunks, str):
+        return default  # "auto" or a byte size: contiguous slabs, not dask's square blocks
     if isinstance(chunks, dict):
         bad = [a for a in chunks if not isinstance(a, int) or not -len(shape) <= a < len(shape)]
         if bad:
-            raise LayoutError(f"chunks dict names axes {bad!r} outside the array's {len(shape)} axes")
+            raise LayoutError(f"chunks dict names axes {bad!r} outside the array's {len(shape)} axes "
+                              f"(shape {shape})")
         chunks = {a % len(shape): c for a, c in chunks.items()}
         chunks = tuple(chunks.get(a, default[a]) for a in range(len(shape)))
+    per_axis = _check_chunk_spelling(chunks, shape)
+    # Byte sizes become "auto" under dask's limit (dask refuses a byte size beside a limit).
+    per_axis = tuple("auto" if isinstance(c, str) else c for c in per_axis)
     try:
-        out = dask_normalize(chunks, shape, limit=int(config.get("chunk_size")), dtype=dtype)
-    except (ValueError, TypeError) as e:
-        raise LayoutError(f"chunks {chunks!r} do not fit an array of shape {shape}: {e}") from e
+        out = dask_normalize(per_axis, shape, limit=limit or int(config.get("chunk_size")), dtype=dtype)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        # Our checks passed, so this is a case they do not know: say it in our words, keep dask's as the cause.
+        raise LayoutError(f"chunks {chunks!r} cannot chunk an array of shape {shape} and dtype {dtype}; "
+                          f"use {_CHUNK_FORMS}") from e
     out = tuple(tuple(int(c) for c in axis) for axis in out)
     if order == "F" and stacked and shape and any(c != 1 for c in out[0]):
         out = ((1,) * shape[0] if shape[0] else (0,),) + out[1:]
     return out
+
+
+def _chunk_limit(chunks: Any, shape: tuple[int, ...]) -> int | None:
+    """The byte size a spelling gives (``"16MiB"``, or one per axis), or ``None``."""
+    if isinstance(chunks, str):
+        items = [chunks]
+    elif isinstance(chunks, dict):
+        items = list(chunks.values())
+    elif isinstance(chunks, (tuple, list)):
+        items = list(chunks)
+    else:
+        return None
+    sizes = {}
+    for c in items:
+        if isinstance(c, str) and c != "auto":
+            try:
+                sizes[c] = config.parse_bytes(c)
+            except Exception as e:
+                raise LayoutError(f"chunks {chunks!r}: cannot read {c!r} as a byte size; write e.g. "
+                                  f"'16MiB' or 'auto'") from e
+            if sizes[c] <= 0:
+                raise LayoutError(f"chunks {chunks!r}: the byte size {c!r} must be positive")
+    if len(set(sizes.values())) > 1:
+        raise LayoutError(f"chunks {chunks!r} give different byte sizes ({', '.join(sizes)}); a byte size is "
+                          "the limit of one block, so give it once (the other axes as 'auto' or lengths)")
+    return next(iter(sizes.values()), None)
+
+
+def _check_chunk_spelling(chunks: Any, shape: tuple[int, ...]) -> tuple:
+    """``chunks`` (an int or one entry per axis) as one checked entry per axis."""
+    if isinstance(chunks, (bool, np.bool_)) or not isinstance(chunks, (int, np.integer, tuple, list)):
+        raise LayoutError(f"chunks {chunks!r} is not a chunk spelling; use {_CHUNK_FORMS}")
+    given = chunks
+    if isinstance(chunks, (int, np.integer)):
+        chunks = (chunks,) * len(shape)
+    if len(chunks) != len(shape):
+        raise LayoutError(f"chunks {tuple(chunks)!r} has {len(chunks)} entries but the array has {len(shape)} "
+                          f"axes (shape {shape}); give one entry per axis, or a dict {{axis: size}}")
+    return tuple(_check_axis_chunks(c, n, axis, given) for axis, (c, n) in enumerate(zip(chunks, shape)))
+
+
+def _check_axis_chunks(c: Any, n: int, axis: int, chunks: Any) -> Any:
+    where = f"chunks {chunks!r}, axis {axis} (length {n})"
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, (bool, np.bool_)):
+        raise LayoutError(f"{where}: {c!r} is not a block length")
+    if isinstance(c, (int, np.integer)):
+        if c == -1 or c > 0 or (c == 0 and n == 0):
+            return int(c)
+        raise LayoutError(f"{where}: block length {c} must be positive (or -1 for the whole axis)")
+    if isinstance(c, float) and c.is_integer() and c > 0:
+        return int(c)
+    if isinstance(c, (tuple, list)):
+        if not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b >= 0 for b in c):
+            raise LayoutError(f"{where}: block lengths {tuple(c)!r} must be non-negative integers")
+        if sum(c) != n:
+            raise LayoutError(f"{where}: block lengths {tuple(c)!r} add up to {sum(c)}, not {n}")
+        return tuple(int(b) for b in c)
+    raise LayoutError(f"{where}: {c!r} is not a chunk size; use an int, -1, None, 'auto', a byte size "
+                      "or the block lengths")
 
 
 # -- byte ranges ----------------------------------------------------------------------
@@ -259,6 +360,21 @@ def _bounds(chunks: Sequence[int]) -> list[tuple[int, int]]:
 
 
 # -- a stack of equally shaped files ----------------------------------------------------
+def stacks(stack: bool | None, files: Sequence[Any]) -> bool:
+    """Whether ``files`` stack along a new axis 0.
+
+    ``stack`` is what ``layouts.index`` passes (``names_collection`` of the user's
+    paths): a folder, glob or list stacks even when it holds one file. ``None`` (a
+    layout called directly) stacks when there are several files.
+    """
+    if stack is None:
+        return len(files) > 1
+    if not stack and len(files) > 1:
+        raise LayoutError(f"stack=False needs exactly one file, but {len(files)} were given "
+                          f"({files[0]!r}, ...); leave stack unset to stack them along a new axis 0")
+    return bool(stack)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file: its path, where its elements start, and its identity for cache keys."""

@@ -17,7 +17,7 @@ import numpy.lib.format as npformat
 
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
-from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_order, check_shape
+from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_order, check_shape, stacks
 
 __all__ = ["NpyLayout", "read_npy_header"]
 
@@ -25,7 +25,10 @@ _MAGIC = b"\x93NUMPY"
 
 
 class NpyLayout(Layout):
-    """``.npy`` files. ``dtype``, ``shape`` and ``order`` may be given; they must match."""
+    """``.npy`` files. ``dtype``, ``shape`` and ``order`` may be given; they must match.
+
+    ``stack``: see ``Layout.index``.
+    """
 
     name = "npy"
     extensions = (".npy",)
@@ -39,7 +42,7 @@ class NpyLayout(Layout):
             return False
 
     def index(self, paths: Sequence[str], *, dtype: Any = None, shape: Any = None, offset: int = 0,
-              order: str | None = None, chunks: Any = None, **unknown: Any) -> Index:
+              order: str | None = None, chunks: Any = None, stack: bool | None = None, **unknown: Any) -> Index:
         if unknown:
             raise TypeError(f"the npy layout got unexpected options {sorted(unknown)}")
         if offset:
@@ -52,8 +55,8 @@ class NpyLayout(Layout):
         file_shape, dt, fortran, _ = first
         _check_requested(paths[0], file_shape, dt, fortran, dtype, shape, order)
         files = tuple(FileEntry(p, h[3], _identity(p)) for p, h in zip(paths, headers))
-        stack = FileStack(files, file_shape, dt, "F" if fortran else "C", stacked=len(files) > 1)
-        return stack.index(chunks, layout=self.name)
+        fs = FileStack(files, file_shape, dt, "F" if fortran else "C", stacked=stacks(stack, paths))
+        return fs.index(chunks, layout=self.name)
 
 
 def _identity(path: str) -> tuple[str, int, int]:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
-from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_order, check_shape
+from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_order, check_shape, stacks
 
 __all__ = ["RawLayout"]
 
@@ -23,7 +23,8 @@ class RawLayout(Layout):
 
     Options of ``index``: ``dtype`` (required; byte order honoured, ``">u2"``),
     ``shape`` (of one file; default 1-D from the file size), ``offset`` (header bytes
-    to skip, default 0), ``order`` (``"C"`` or ``"F"``), ``chunks`` (dask-style).
+    to skip, default 0), ``order`` (``"C"`` or ``"F"``), ``chunks`` (dask-style),
+    ``stack`` (see ``Layout.index``).
     """
 
     name = "raw"
@@ -35,7 +36,7 @@ class RawLayout(Layout):
         return False
 
     def index(self, paths: Sequence[str], *, dtype: Any = None, shape: Any = None, offset: int = 0,
-              order: str = "C", chunks: Any = None, **unknown: Any) -> Index:
+              order: str = "C", chunks: Any = None, stack: bool | None = None, **unknown: Any) -> Index:
         if unknown:
             raise TypeError(f"the raw layout got unexpected options {sorted(unknown)}")
         dt = check_dtype(dtype)
@@ -54,8 +55,8 @@ class RawLayout(Layout):
             if st.st_size != expected:
                 raise _size_error(p, st.st_size, expected, file_shape, dt, offset, len(paths))
             files.append(FileEntry(p, offset, (p, st.st_size, st.st_mtime_ns)))
-        stack = FileStack(tuple(files), file_shape, dt, order, stacked=len(files) > 1)
-        return stack.index(chunks, layout=self.name)
+        fs = FileStack(tuple(files), file_shape, dt, order, stacked=stacks(stack, paths))
+        return fs.index(chunks, layout=self.name)
 
 
 def _check_offset(offset: Any) -> int:
@@ -77,12 +78,22 @@ def _shape_from_size(path: str, size: int, offset: int, itemsize: int) -> tuple[
     return (data // itemsize,)
 
 
+def _looks_like(path: str) -> str | None:
+    from gpulazy.layouts import layout_names
+    from gpulazy.layouts._sniff import looks_like
+
+    return looks_like(path, [n for n in layout_names() if n != "raw"])
+
+
 def _size_error(path: str, actual: int, expected: int, shape: tuple[int, ...], dt: Any, offset: int,
                 nfiles: int) -> LayoutError:
     what = "each file" if nfiles > 1 else "the file"
     hint = ""
     extra = actual - expected
-    if extra > 0 and offset == 0:
+    looks = _looks_like(path)
+    if looks:  # a TIFF read as raw: name the format, not a header size that fits by chance
+        hint = f"; {looks}"
+    elif extra > 0 and offset == 0:
         hint = f"; if the file starts with a {extra}-byte header, pass offset={extra}"
     return LayoutError(
         f"file {path!r} has {actual} bytes but {expected} were expected "

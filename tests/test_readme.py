@@ -1,0 +1,181 @@
+"""Every ```python block of README.md runs on the CPU path, so the README cannot drift from the code.
+
+The blocks run in order in one namespace (later examples use earlier ones' names), in a
+temporary folder holding the files the examples name (``_EXAMPLE_FILES``). A block that
+cannot run on a CPU-only CI box carries ``<!-- skip-test: reason -->`` on the line before
+its fence; it is counted, not run. A block that fails without that marker fails the test,
+named by its line in README.md. A new block naming files this fixture does not create
+fails the same way: add the files to ``_EXAMPLE_FILES`` (or mark the block).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpulazy
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)\s*$")
+_SKIP = re.compile(r"<!--\s*skip-test:\s*(?P<reason>.*?)\s*-->")
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    skip: str | None  # the reason of a skip-test marker right before the fence
+
+
+def extract_blocks(text: str) -> list[Block]:
+    """Fenced code blocks (also indented ones, inside list items) with their skip markers."""
+    lines = text.splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, start = m.group("indent"), i
+        body = []
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        prev = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
+        marker = _SKIP.search(prev)
+        blocks.append(Block(start + 1, m.group("lang"), textwrap.dedent("\n".join(body)) + "\n",
+                            marker.group("reason") if marker else None))
+        i += 1
+    return blocks
+
+
+def python_blocks(text: str) -> list[Block]:
+    return [b for b in extract_blocks(text) if b.lang in ("python", "py", "pycon")]
+
+
+# -- the files the README's examples name -------------------------------------------------
+def _scan(folder: Path) -> None:
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        rng.integers(0, 4096, (2048, 2048), dtype=np.uint16).tofile(folder / f"z{i:03d}.raw")
+
+
+def _sparse(path: Path, nbytes: int) -> None:
+    with open(path, "wb") as f:  # a hole: no disk space, no read in the examples
+        f.truncate(nbytes)
+
+
+def _frames(folder: Path) -> None:
+    folder.mkdir()
+    for i in range(3):
+        np.save(folder / f"f{i}.npy", np.full((64, 64), i, dtype="float32"))
+
+
+_EXAMPLE_FILES = {
+    "scan/": _scan,
+    "big.raw": lambda p: _sparse(p, 512 + 4096 * 4096 * 256 * 4),
+    "small.raw": lambda p: np.zeros((1024, 1024), "float32").tofile(p),
+    "frames/": _frames,
+}
+
+
+@pytest.fixture
+def example_dir(tmp_path, monkeypatch):
+    for name, make in _EXAMPLE_FILES.items():
+        make(tmp_path / name.rstrip("/"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # figures without a display
+    return tmp_path
+
+
+# -- the tests ----------------------------------------------------------------------------
+def test_extractor_sees_markers_and_indented_blocks():
+    text = textwrap.dedent("""\
+        Intro.
+
+        ```python
+        a = 1
+        ```
+
+        - item:
+
+          ```python
+          b = a + 1
+          ```
+        <!-- skip-test: needs a GPU -->
+        ```python
+        import cupy
+        ```
+
+        ```bash
+        echo hi
+        ```
+        """)
+    blocks = python_blocks(text)
+    assert [(b.line, b.code, b.skip) for b in blocks] == [
+        (3, "a = 1\n", None), (9, "b = a + 1\n", None), (13, "import cupy\n", "needs a GPU")]
+    assert [b.lang for b in extract_blocks(text)] == ["python", "python", "python", "bash"]
+
+
+def run_blocks(blocks: list[Block], source: str = "README.md") -> tuple[int, list[str], list[str]]:
+    """Run unmarked blocks in order in one namespace: ``(ran, skipped, failures)``."""
+    namespace: dict = {"__name__": "__readme__"}
+    failures, ran, skipped = [], 0, []
+    with gpulazy.config.set(device="cpu"):
+        for b in blocks:
+            if b.skip is not None:
+                skipped.append(f"line {b.line}: {b.skip}")
+                continue
+            try:
+                exec(compile(b.code, f"{source}:{b.line}", "exec"), namespace)
+                ran += 1
+            except Exception as e:  # every failure is reported with its block, then the next runs
+                failures.append(f"{source} line {b.line}: {type(e).__name__}: {e}\n"
+                                + "".join(traceback.format_exception(e)[-3:]))
+        _close_widgets(namespace)
+    return ran, skipped, failures
+
+
+def test_readme_python_blocks_run_on_the_cpu(example_dir, capsys):
+    blocks = python_blocks(README.read_text())
+    assert blocks, "README.md has no ```python block"
+    ran, skipped, failures = run_blocks(blocks)
+    with capsys.disabled():
+        print(f"\nREADME: {ran} python blocks ran, {len(skipped)} skipped: {skipped}")
+    assert not failures, (
+        "README python blocks failed on the CPU path; fix the example, add the files it names to "
+        "_EXAMPLE_FILES in tests/test_readme.py, or mark it with <!-- skip-test: reason --> on the "
+        "line before its fence:\n\n" + "\n".join(failures))
+    assert ran >= 1
+
+
+def _close_widgets(namespace: dict) -> None:
+    for value in namespace.values():
+        if isinstance(value, gpulazy.widgets.Dashboard):
+            value.close()
+
+
+def test_failures_are_reported_by_line_and_marked_blocks_counted(example_dir):
+    text = ("```python\nx = 1\n```\n\n```python\nraise RuntimeError('boom')\n```\n\n"
+            "<!-- skip-test: needs a cluster -->\n```python\nundefined_name\n```\n\n"
+            "```python\nassert x == 1\n```\n")
+    ran, skipped, failures = run_blocks(python_blocks(text), source="T.md")
+    assert ran == 2 and skipped == ["line 10: needs a cluster"]
+    assert len(failures) == 1 and failures[0].startswith("T.md line 5: RuntimeError: boom")
+
+
+def test_example_files_exist_as_the_readme_names_them(example_dir):
+    text = README.read_text()
+    for name in _EXAMPLE_FILES:
+        assert f'"{name}' in text, f"{name!r} is not named by the README any more; drop it here"
+        assert os.path.exists(name.rstrip("/"))

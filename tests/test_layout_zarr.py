@@ -216,6 +216,18 @@ def test_zstd_chunks_are_one_tile_each_with_a_plain_zstd_codec(tmp_path):
     assert sorted(t.range.path for t in spec.tiles) == _chunk_files(p)
 
 
+def test_uncompressed_inner_chunks_are_plain_ranges_inside_the_shard_file(tmp_path):
+    p = _make(tmp_path / "a.zarr", _data((8, 6), "<u2"), chunks=(2, 6), shards=(4, 6), compressors=None)
+    arr = _check_same(p, chunks=(2, 6))
+    offsets = set()
+    for (i, _), spec in arr.chunk_index.specs.items():
+        assert not spec.tiles and spec.codec is None
+        (r,) = spec.ranges
+        assert r.path == os.path.join(p, "c", str(i // 2), "0") and r.nbytes == 24
+        offsets.add(r.offset)
+    assert offsets == {0, 24}  # index at the end: inner chunks from byte 0
+
+
 # -- sharding -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("location", ["start", "end"])
@@ -408,8 +420,8 @@ def test_unsupported_codec_names_store_codec_and_package(tmp_path):
 
 
 def test_check_supported_refuses_what_the_host_cannot_decode(tmp_path):
-    # zarr opens it (numcodecs knows the id) but its package is missing here or not: the layout
-    # asks gpulazy.codecs; a codec id numcodecs registers lazily and cannot build gives the install hint.
+    # zarr refuses a codec it cannot build before gpulazy sees it (above); what zarr accepts, the
+    # layout checks again with gpulazy.codecs, whose error names the store, the codec and the package.
     from gpulazy.codecs import check_supported
 
     with pytest.raises(LayoutError, match=r"store.zarr.*'nosuch'.*pip install"):
@@ -418,6 +430,12 @@ def test_check_supported_refuses_what_the_host_cannot_decode(tmp_path):
 
 def test_corrupt_and_missing_metadata_name_the_file(tmp_path):
     p = _make(tmp_path / "a.zarr", _data((4, 4), "u1"), chunks=(2, 2))
+    meta = json.loads(open(os.path.join(p, "zarr.json")).read())
+    meta["codecs"].append({"name": "bytes"})  # a second serializer: invalid, but no codec is missing
+    open(os.path.join(p, "zarr.json"), "w").write(json.dumps(meta))
+    with pytest.raises(LayoutError, match=r"a\.zarr.zarr\.json") as info:
+        layouts.index(p)
+    assert "pip install" not in str(info.value)
     open(os.path.join(p, "zarr.json"), "w").write("{not json")
     with pytest.raises(LayoutError, match=r"a\.zarr.zarr\.json"):
         layouts.index(p)

@@ -127,7 +127,8 @@ def _open(where: str) -> Any:
 
 
 def _codec_hint(e: Exception) -> str:
-    if "codec" in type(e).__name__.lower() or "codec" in str(e).lower():
+    text = f"{type(e).__name__} {e}".lower()
+    if isinstance(e, ImportError) or any(s in text for s in ("unknowncodec", "unknown codec", "codec not available")):
         return ("; if it is a numcodecs or imagecodecs codec, install the package that provides it "
                 "(pip install numcodecs imagecodecs)")
     return ""

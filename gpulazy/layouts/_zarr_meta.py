@@ -149,6 +149,9 @@ def _codec(cid: str, params: Mapping[str, Any]) -> Codec:
 
 def _v3(d: Mapping[str, Any], shape: tuple[int, ...], dtype: Any, fill_value: Any, path: str,
         meta_file: str) -> ZarrMeta:
+    if d.get("storage_transformers"):
+        raise LayoutError(f"{meta_file!r}: storage transformers {list(d['storage_transformers'])!r} are not "
+                          "supported")
     grid = d["chunk_grid"]
     if grid.get("name") != "regular":
         raise LayoutError(f"{meta_file!r}: chunk grid {grid.get('name')!r} is not supported (only 'regular')")

@@ -48,6 +48,8 @@ _META_FILES = ("zarr.json", ".zarray", ".zgroup")
 #: More stored chunks than this is metadata no graph can hold (and corrupt metadata can
 #: claim any shape): refuse it rather than spend minutes listing chunks.
 MAX_CHUNKS = 1 << 24
+#: A stored chunk decodes whole into memory; past this its metadata is not believed.
+MAX_CHUNK_BYTES = 1 << 34
 
 
 class ZarrLayout(Layout):
@@ -261,6 +263,10 @@ def _index(meta: ZarrMeta, chunks: Any, attrs: dict) -> Index:
     if count > MAX_CHUNKS:
         raise LayoutError(f"the Zarr array {meta.path!r} (shape {meta.shape}, chunks {tile}) has {count} stored "
                           f"chunks, more than gpulazy indexes ({MAX_CHUNKS}); is {meta.meta_file!r} corrupt?")
+    tile_bytes = math.prod(tile) * native.itemsize
+    if tile_bytes > MAX_CHUNK_BYTES:
+        raise LayoutError(f"the Zarr array {meta.path!r} has stored chunks of shape {tile} ({tile_bytes} bytes), "
+                          f"too big to decode into memory (at most {MAX_CHUNK_BYTES}); is {meta.meta_file!r} corrupt?")
     norm = _chunks(meta, chunks, native)
     if 0 in meta.shape:
         specs = _empty_specs(meta, norm)

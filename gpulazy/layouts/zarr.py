@@ -57,6 +57,11 @@ class ZarrLayout(Layout):
 
     A group opens its OME-Zarr full resolution (dataset 0 of the first multiscale), or
     its only array; ``levels`` gives every level of the pyramid.
+
+    Options (of ``index`` and ``levels``): ``chunks`` (dask-style; each block edge moves
+    up to a stored chunk's edge), ``path`` or ``array`` (an array or multiscale group
+    inside the store, ``"labels/cells"``), and ``dtype``/``shape``/``order``, which
+    must match the store's when given.
     """
 
     name = "zarr"
@@ -72,25 +77,23 @@ class ZarrLayout(Layout):
         except (OSError, ValueError, TypeError):
             return False
 
-    def index(self, paths: Sequence[str], *, chunks: Any = None, path: str | None = None, array: str | None = None,
-              dtype: Any = None, shape: Any = None, order: str | None = None, offset: int = 0,
-              **unknown: Any) -> Index:
-        return self._indexes(paths, chunks, path, array, dtype, shape, order, offset, unknown, first_only=True)[0]
+    def index(self, paths: Sequence[str], **opts: Any) -> Index:
+        return self._indexes(paths, True, **opts)[0]
 
-    def levels(self, paths: Sequence[str], *, chunks: Any = None, path: str | None = None, array: str | None = None,
-               dtype: Any = None, shape: Any = None, order: str | None = None, offset: int = 0,
-               **unknown: Any) -> list[Index]:
-        return self._indexes(paths, chunks, path, array, dtype, shape, order, offset, unknown, first_only=False)
+    def levels(self, paths: Sequence[str], **opts: Any) -> list[Index]:
+        return self._indexes(paths, False, **opts)
 
-    def _indexes(self, paths, chunks, path, array, dtype, shape, order, offset, unknown, *, first_only):
+    def _indexes(self, paths: Sequence[str], first_only: bool, *, chunks: Any = None, path: str | None = None,
+                 array: str | None = None, dtype: Any = None, shape: Any = None, order: str | None = None,
+                 offset: int = 0, **unknown: Any) -> list[Index]:
         if unknown:
-            raise TypeError(f"the zarr layout got unexpected options {sorted(unknown)}; it takes chunks=, path=")
+            raise TypeError(f"the zarr layout got unexpected options {sorted(unknown)}; it takes chunks=, path= "
+                            "(or array=), dtype=, shape=, order=")
         root = _root(paths)
         if offset:
             raise LayoutError(f"Zarr stores carry their own metadata; offset={offset!r} cannot be used with {root!r}")
-        sub = _sub_path(path, array)
         out = []
-        for node_dir, arr, extra in _arrays(root, sub, first_only=first_only):
+        for node_dir, arr, extra in _arrays(root, _sub_path(path, array), first_only=first_only):
             meta = _read_meta(arr, node_dir)
             _check_requested(meta, dtype, shape, order)
             out.append(_index(meta, chunks, {**_array_attrs(arr, meta), **extra}))

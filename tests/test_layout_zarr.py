@@ -528,3 +528,23 @@ def test_fuzzed_metadata_gives_layout_error_or_a_valid_index(fmt, muts):
             assert p in str(e)
         else:
             assert len(ix.specs) == int(np.prod(ix.numblocks))
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=3),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+                         ["path", "type", "scale", "translation", "name", "unit", "datasets", "axes",
+                          "coordinateTransformations", "version"]), inner, max_size=4), max_leaves=12)
+
+
+@FUZZ
+@given(ms=st.lists(_json, min_size=1, max_size=2), wrap=st.booleans())
+def test_fuzzed_multiscales_attributes_give_layout_error_or_levels(ms, wrap):
+    from gpulazy.layouts._ngff import multiscale_levels
+
+    attrs = {"ome": {"version": "0.5", "multiscales": ms}} if wrap else {"multiscales": ms}
+    try:
+        levels = multiscale_levels(attrs, "root/zarr.json")
+    except LayoutError as e:
+        assert "root/zarr.json" in str(e)
+    else:
+        assert levels and all(isinstance(lv.path, str) for lv in levels)

@@ -330,8 +330,7 @@ def _chunk_path(meta: ZarrMeta, coords: Sequence[int]) -> str:
     return os.path.join(meta.path, *meta.chunk_key(coords).split("/"))
 
 
-def _check_raw_size(meta: ZarrMeta, path: str, nbytes: int, where: str = "") -> None:
-    want = meta.raw_tile_nbytes
+def _check_raw_size(meta: ZarrMeta, want: int | None, path: str, nbytes: int, where: str = "") -> None:
     if want is not None and nbytes != want:
         raise LayoutError(
             f"Zarr chunk file {path!r}{where} has {nbytes} bytes but {meta.meta_file!r} says an uncompressed chunk "
@@ -343,14 +342,14 @@ class _ChunkTiles:
     """Stored chunk coords -> the chunk file's bytes (``None``: never written)."""
 
     def __init__(self, meta: ZarrMeta, files: _Files) -> None:
-        self.meta, self.files = meta, files
+        self.meta, self.files, self.want = meta, files, meta.raw_tile_nbytes
 
     def __call__(self, coords: tuple[int, ...]) -> ByteRange | None:
         path = _chunk_path(self.meta, coords)
         size = self.files.size(path)
         if size is None:
             return None
-        _check_raw_size(self.meta, path, size)
+        _check_raw_size(self.meta, self.want, path, size)
         return ByteRange(path, 0, size)
 
 
@@ -358,7 +357,7 @@ class _ShardTiles:
     """Inner chunk coords -> its bytes inside its shard file (each shard's index read once)."""
 
     def __init__(self, meta: ZarrMeta, files: _Files) -> None:
-        self.meta, self.files = meta, files
+        self.meta, self.files, self.want = meta, files, meta.raw_tile_nbytes
         self.indexes: dict[tuple[int, ...], tuple[str, np.ndarray] | None] = {}
 
     def __call__(self, coords: tuple[int, ...]) -> ByteRange | None:
@@ -371,7 +370,7 @@ class _ShardTiles:
         off, nb = (int(v) for v in entries[tuple(c % p for c, p in zip(coords, per))])
         if off < 0:
             return None
-        _check_raw_size(self.meta, path, nb, where=f" (inner chunk {coords} at offset {off})")
+        _check_raw_size(self.meta, self.want, path, nb, where=f" (inner chunk {coords} at offset {off})")
         return ByteRange(path, off, nb)
 
     def _index(self, shard: tuple[int, ...]) -> tuple[str, np.ndarray] | None:

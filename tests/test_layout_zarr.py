@@ -287,13 +287,20 @@ def _geometry(draw):
 
 @FUZZ
 @given(geom=_geometry(), sharded=st.booleans(), compressed=st.booleans(), fmt=st.sampled_from([2, 3]),
+       dtype=st.sampled_from(["<i2", ">i2", ">f4", "<f8", "u1"]), fortran=st.booleans(),
        drop=st.integers(0, 2**16), seed=st.integers(0, 100))
-def test_any_geometry_matches_zarr(geom, sharded, compressed, fmt, drop, seed):
+def test_any_geometry_matches_zarr(geom, sharded, compressed, fmt, dtype, fortran, drop, seed):
     shape, inner, shard, user = geom
     sharded = sharded and fmt == 3
-    data = _data(shape, "<i2", seed)
-    kw = dict(chunks=inner, shards=shard if sharded else None, zarr_format=fmt, fill_value=-1,
+    data = _data(shape, dtype, seed)
+    kw = dict(chunks=inner, shards=shard if sharded else None, zarr_format=fmt, fill_value=1,
               compressors=(ZstdCodec() if fmt == 3 else numcodecs.Zstd()) if compressed else None)
+    if fmt == 2:
+        kw["order"] = "F" if fortran else "C"
+    else:
+        endian = "big" if dtype.startswith(">") else "little"
+        kw["serializer"] = BytesCodec(endian=endian) if not sharded else "auto"
+        kw["filters"] = [TransposeCodec(order=tuple(range(len(shape)))[::-1])] if fortran and not sharded else None
     with tempfile.TemporaryDirectory() as d:
         p = _make(os.path.join(d, "a.zarr"), data, **kw)
         files = _chunk_files(p)

@@ -356,6 +356,16 @@ def test_ome_zarr_full_resolution_and_multiscale(tmp_path, fmt, version):
     assert arr.attrs["scale"] == (2.0, 1.0, 1.0)
 
 
+def test_multiscale_dataset_missing_from_the_store(tmp_path):
+    import shutil
+
+    root, levels = _ome(tmp_path / "img.ome.zarr", 3, version="0.5")
+    shutil.rmtree(os.path.join(root, "2"))
+    np.testing.assert_array_equal(_read(root)[1], levels[0])  # full resolution still opens
+    with pytest.raises(LayoutError, match=r"img\.ome\.zarr.zarr\.json.*dataset '2' is not an array"):
+        gpulazy.multiscale(root, device="cpu")
+
+
 @pytest.mark.parametrize("opt", ["path", "array"])
 def test_pick_an_array_inside_a_group(tmp_path, opt):
     root, _ = _ome(tmp_path / "img.ome.zarr", 3, version="0.5")

@@ -11,6 +11,7 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
+from conftest import to_host
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, TransposeCodec, ZstdCodec
@@ -231,6 +232,18 @@ def test_uncompressed_inner_chunks_are_plain_ranges_inside_the_shard_file(tmp_pa
         assert r.path == os.path.join(p, "c", str(i // 2), "0") and r.nbytes == 24
         offsets.add(r.offset)
     assert offsets == {0, 24}  # index at the end: inner chunks from byte 0
+
+
+@pytest.mark.parametrize("kind", ["raw", "zstd", "sharded zstd", "v2 F big-endian"])
+def test_reads_onto_each_device(tmp_path, device, kind):
+    data = _data((12, 10), ">f4" if "big" in kind else "<u2")
+    kw = {"raw": dict(compressors=None), "zstd": dict(compressors=ZstdCodec()),
+          "sharded zstd": dict(shards=(8, 10), compressors=ZstdCodec()),
+          "v2 F big-endian": dict(zarr_format=2, order="F", compressors=numcodecs.Zstd())}[kind]
+    p = _make(tmp_path / "a.zarr", data, chunks=(4, 5), missing=[np.s_[4:8, 0:5]], **kw)
+    arr = gpulazy.from_files(p, device=device, cache=False, chunks=(8, 10))
+    np.testing.assert_array_equal(to_host(arr.compute()), zarr.open_array(p, mode="r")[...])
+    np.testing.assert_array_equal(to_host(arr[8:].sum(axis=0).compute()), zarr.open_array(p, mode="r")[8:].sum(0))
 
 
 # -- sharding -------------------------------------------------------------------------------------

@@ -394,6 +394,9 @@ def test_group_without_multiscales_lists_its_arrays(tmp_path):
     g.create_array("sub/b", shape=(3,), dtype="u1")
     with pytest.raises(LayoutError, match=r"2 arrays \('a', 'sub/b'\).*path="):
         layouts.index(str(tmp_path / "g.zarr"))
+    zarr.open_group(str(tmp_path / "none.zarr"), mode="w")
+    with pytest.raises(LayoutError, match="none.zarr' holds no arrays"):
+        layouts.index(str(tmp_path / "none.zarr"))
     g2 = zarr.open_group(str(tmp_path / "one.zarr"), mode="w")
     g2.create_array("only", shape=(4,), dtype="u2")[...] = [1, 2, 3, 4]
     assert _read(str(tmp_path / "one.zarr"))[1].tolist() == [1, 2, 3, 4]

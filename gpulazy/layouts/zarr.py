@@ -115,7 +115,7 @@ def _sub_path(path: str | None, array: str | None) -> str | None:
     if path is not None and array is not None and path.strip("/") != array.strip("/"):
         raise TypeError(f"path={path!r} and array={array!r} name different arrays; pass one of them")
     sub = path if path is not None else array
-    return sub.strip("/") or None if sub is not None else None
+    return (sub.strip("/") or None) if sub is not None else None
 
 
 def _open(where: str) -> Any:
@@ -171,9 +171,11 @@ def _arrays(root: str, sub: str | None, *, first_only: bool) -> list[tuple[str, 
     names = _array_names(node, where)
     if len(names) == 1:
         return [(os.path.join(where, *names[0].split("/")), node[names[0]], {})]
-    listing = ", ".join(repr(n) for n in names) or "none"
+    if not names:
+        raise LayoutError(f"the Zarr group {where!r} holds no arrays")
+    listing = ", ".join(repr(n) for n in names)
     raise LayoutError(f"the Zarr group {where!r} has no OME-Zarr multiscales and {len(names)} arrays ({listing}); "
-                      f"pick one with path=, e.g. path={names[0] if names else 'name'!r}")
+                      f"pick one with path=, e.g. path={names[0]!r}")
 
 
 def _attrs(group: Any, where: str) -> dict:

@@ -50,7 +50,10 @@ def _takes_out(c: Codec) -> bool:
 def _as_bytes(x: Any) -> np.ndarray:
     from numcodecs.compat import ensure_ndarray
 
-    return ensure_ndarray(x).reshape(-1).view(np.uint8)
+    out = ensure_ndarray(x).reshape(-1).view(np.uint8)
+    # Codecs that return ``bytes`` (GZip, Zlib without out=) give a read-only view; the
+    # byte swap after decoding works in place.
+    return out if out.flags.writeable else out.copy()
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from gpulazy.device import Device
 from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec, Tile
 
-__all__ = ["assemble", "decode_pieces", "check_supported", "gpu_codecs"]
+__all__ = ["assemble", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
 
 
 def assemble(buf: Any, spec: ChunkSpec, device: Device) -> Any:
@@ -105,4 +105,6 @@ def decoded_on(codec: Sequence[Any] | None, device: Device) -> str:
         return "none"
     if not device.is_gpu:
         return "host"
-    return "gpu" if all(c.id in gpu_codecs() for c in codec) else "host"
+    from gpulazy.codecs.gpu import runs_on_gpu
+
+    return "gpu" if all(runs_on_gpu(c) for c in codec) else "host"

@@ -1,0 +1,278 @@
+"""Batched GPU decompression with nvCOMP's Python API (``nvidia-nvcomp-cu13``).
+
+One ``decode`` call decodes every piece of a batch with one nvCOMP call per algorithm.
+Each format's framing is handled here, on the host, from a few header and trailer bytes
+of every piece fetched in one copy: nvCOMP's ``RAW`` bitstreams are the bare
+algorithm, so
+
+- ``zstd``: standard frames decode as they are (the frame header's content size, when
+  present, is checked against the expected size first);
+- ``lz4`` (numcodecs): a 4-byte little-endian size prefix, then one LZ4 block;
+- ``zlib``: a 2-byte header and a 4-byte Adler-32 trailer around raw Deflate;
+- ``gzip``: a 10-byte header with optional FEXTRA/FNAME/FCOMMENT/FHCRC fields, raw
+  Deflate, and an 8-byte CRC-32 + size trailer (the size is checked).
+
+A piece whose framing is not the plain form (a zstd dictionary, a preset zlib
+dictionary, a gzip header longer than what was fetched, a size field that disagrees)
+is not sent to nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on
+the host, which either decodes it or raises the error that names the file. The same
+goes for pieces nvCOMP decodes to a size other than the expected one, and for a whole
+batch nvCOMP refuses. nvCOMP does not verify zstd content checksums, Adler-32 or gzip
+CRC-32: a corruption inside the compressed payload that still decodes to the right
+size is not detected on the GPU (numcodecs' zstd does not write checksums either).
+
+>>> from gpulazy.codecs import nvcomp
+>>> isinstance(nvcomp.supported(), frozenset)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpulazy.spec import Codec
+
+__all__ = ["supported", "decode", "Decoded", "ALGORITHMS"]
+
+#: Codec id -> (nvCOMP algorithm, framing). TIFF's codecs through imagecodecs share framings.
+ALGORITHMS: dict[str, tuple[str, str]] = {
+    "zstd": ("Zstd", "zstd"),
+    "lz4": ("LZ4", "lz4-numcodecs"),
+    "zlib": ("Deflate", "zlib"),
+    "gzip": ("Deflate", "gzip"),
+    "imagecodecs_zstd": ("Zstd", "zstd"),
+    "imagecodecs_zlib": ("Deflate", "zlib"),
+    "imagecodecs_deflate": ("Deflate", "zlib"),
+}
+
+_HEAD = 64  # header bytes fetched per piece (a gzip header with a long FNAME goes to the host)
+_TAIL = 8
+_OUT_ALIGN = 256  # where each decoded piece starts in the batch's output buffer
+
+
+@functools.cache
+def supported() -> frozenset[str]:
+    """Codec ids nvCOMP decodes on this machine (empty without nvCOMP, CuPy or a GPU). Probed once."""
+    from gpulazy.device import gpu_count
+
+    if gpu_count() == 0:
+        return frozenset()
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except Exception:  # ImportError, or a library that fails to load
+        return frozenset()
+    ok = set()
+    for algo in sorted({a for a, _ in ALGORITHMS.values()}):
+        try:
+            _codec(algo, 0)
+        except Exception:
+            continue
+        ok.update(cid for cid, (a, _) in ALGORITHMS.items() if a == algo)
+    return frozenset(ok)
+
+
+def handles(c: Codec) -> bool:
+    """Whether this codec value (id and parameters) decodes with nvCOMP here."""
+    if c.id not in supported():
+        return False
+    if c.id == "imagecodecs_deflate" and c.get("raw"):
+        return True  # raw Deflate: no framing at all
+    return not (c.id == "imagecodecs_zlib" and c.get("raw"))
+
+
+_local = threading.local()
+
+
+def _codec(algorithm: str, device_index: int) -> Any:
+    # One nvCOMP Codec per thread and device: each owns its stream and scratch memory,
+    # so dask worker threads decode side by side without sharing one.
+    cache = getattr(_local, "codecs", None)
+    if cache is None:
+        cache = _local.codecs = {}
+    key = (algorithm, device_index)
+    if key not in cache:
+        from nvidia import nvcomp
+
+        cache[key] = nvcomp.Codec(algorithm=algorithm, device_id=device_index,
+                                  bitstream_kind=nvcomp.BitstreamKind.RAW)
+    return cache[key]
+
+
+@dataclass
+class Decoded:
+    """What ``decode`` did: ``out[i]`` is piece ``i`` decoded (a CuPy uint8 array) or ``None``
+    when piece ``i`` is in ``host``: it must be decoded on the host (framing nvCOMP does not
+    take, or a result that failed a check). ``why[i]`` says why for those."""
+
+    out: list[Any]
+    host: list[int] = field(default_factory=list)
+    why: dict[int, str] = field(default_factory=dict)
+
+
+def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Decoded:
+    """Decode ``pieces`` (1-D CuPy uint8 arrays) of one codec, each to ``sizes[i]`` bytes, in one batch."""
+    import cupy
+
+    algorithm, framing = ALGORITHMS[codec.id]
+    if codec.id == "imagecodecs_deflate" and codec.get("raw"):
+        framing = "raw"
+    result = Decoded([None] * len(pieces))
+    heads, tails = _ends(pieces)
+    spans: list[tuple[int, int, int]] = []  # (piece, start, stop) of the bare stream
+    for i, (p, n) in enumerate(zip(pieces, sizes)):
+        span, why = _frame(framing, heads[i], tails[i], int(p.size), int(n)) if n > 0 else (None, "empty")
+        if span is None:
+            result.host.append(i)
+            result.why[i] = why
+        else:
+            spans.append((i, *span))
+    if not spans:
+        return result
+    src = [pieces[i][a:b] for i, a, b in spans]
+    want = [int(sizes[i]) for i, _, _ in spans]
+    views, got, error = _run(algorithm, device_index, src, want, cupy)
+    if error is not None:  # the whole batch refused: let the host find (and name) the bad piece
+        for i, _, _ in spans:
+            result.host.append(i)
+            result.why[i] = error
+        return result
+    for (i, _, _), view, n, w in zip(spans, views, got, want):
+        if n != w:
+            result.host.append(i)
+            result.why[i] = f"nvCOMP {algorithm} decoded {n} bytes, expected {w}"
+        else:
+            result.out[i] = view
+    result.host.sort()
+    return result
+
+
+def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cupy: Any
+         ) -> tuple[list[Any], list[int], str | None]:
+    """Decode ``src`` into one output buffer; ``(views, decoded sizes, batch error or None)``."""
+    from nvidia import nvcomp
+
+    from gpulazy.codecs import filters
+
+    codec = _codec(algorithm, device_index)
+    align = max(1, int(codec.get_required_decompression_alignment()))
+    src = filters.aligned(src, align)
+    offsets, total = _carve(want, max(align, _OUT_ALIGN))
+    out = cupy.empty(max(total, 1), dtype=np.uint8)
+    stream = cupy.cuda.get_current_stream().ptr
+    try:
+        dst = nvcomp.as_arrays(out, offsets, want, stream)
+        res = codec.decode(nvcomp.as_arrays(src, stream), out=dst)
+        got = [int(n) for n in res.buffer_sizes]  # waits for the decode
+    except Exception as e:  # a status nvCOMP reports for the batch (corrupt data, too small an output)
+        return [], [], f"nvCOMP {algorithm} refused the batch: {type(e).__name__}: {e}"
+    return [out[o:o + n] for o, n in zip(offsets, want)], got, None
+
+
+def _carve(sizes: Sequence[int], align: int) -> tuple[list[int], int]:
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-int(n) // align) * align
+    return offsets, at
+
+
+def _ends(pieces: Sequence[Any]) -> tuple[list[bytes], list[bytes]]:
+    """The first ``_HEAD`` and last ``_TAIL`` bytes of every piece, in one device-to-host copy."""
+    import cupy
+
+    if not pieces:
+        return [], []
+    # Gather on the device, one transfer down: a copy per piece would cost a sync each.
+    parts = []
+    for p in pieces:
+        parts.append(p[:_HEAD])
+        parts.append(p[max(0, p.size - _TAIL):])
+    lengths = [int(x.size) for x in parts]
+    host = cupy.concatenate(parts).get() if sum(lengths) else np.empty(0, np.uint8)
+    cuts = np.cumsum([0, *lengths])
+    chunks = [host[a:b].tobytes() for a, b in zip(cuts[:-1], cuts[1:])]
+    return chunks[0::2], chunks[1::2]
+
+
+# -- framings: (start, stop) of the bare stream inside a piece, or (None, why) ------------
+
+def _frame(framing: str, head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if framing == "zstd":
+        return _zstd(head, size, expected)
+    if framing == "lz4-numcodecs":
+        return _lz4(head, size, expected)
+    if framing == "zlib":
+        return _zlib(head, size)
+    if framing == "gzip":
+        return _gzip(head, tail, size, expected)
+    return ((0, size), "") if size else (None, "empty stream")
+
+
+def _zstd(head: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None, "not a zstd frame (magic number missing)"
+    fhd = head[4]
+    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    if dict_flag:
+        return None, "zstd frame uses a dictionary"
+    at = 5 + (0 if single else 1)
+    width = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fcs_flag]
+    if width:
+        if len(head) < at + width:
+            return None, "truncated zstd frame header"
+        fcs = int.from_bytes(head[at:at + width], "little") + (256 if width == 2 else 0)
+        if fcs != expected:
+            return None, f"zstd frame says {fcs} bytes, expected {expected}"
+    return (0, size), ""
+
+
+def _lz4(head: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if size < 5:
+        return None, "lz4 piece shorter than its size prefix"
+    (n,) = struct.unpack("<I", head[:4])
+    if n != expected:
+        return None, f"lz4 size prefix says {n} bytes, expected {expected}"
+    return (4, size), ""
+
+
+def _zlib(head: bytes, size: int) -> tuple[Any, str]:
+    if size < 7:
+        return None, "zlib stream too short"
+    cmf, flg = head[0], head[1]
+    if cmf & 0x0F != 8 or cmf >> 4 > 7 or (cmf * 256 + flg) % 31:
+        return None, "not a zlib stream (bad header)"
+    if flg & 0x20:
+        return None, "zlib stream uses a preset dictionary"
+    return (2, size - 4), ""
+
+
+def _gzip(head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if size < 18 or head[:3] != b"\x1f\x8b\x08":
+        return None, "not a gzip member (bad header)"
+    flg, at = head[3], 10
+    if flg & 0xE0:
+        return None, "gzip header has reserved flags set"
+    if flg & 4:  # FEXTRA: 2-byte length, then that many bytes
+        if len(head) < at + 2:
+            return None, "gzip header longer than fetched"
+        at += 2 + int.from_bytes(head[at:at + 2], "little")
+    for bit in (8, 16):  # FNAME, FCOMMENT: zero-terminated
+        if flg & bit:
+            end = head.find(b"\x00", at)
+            if end < 0:
+                return None, "gzip header longer than fetched"
+            at = end + 1
+    if flg & 2:  # FHCRC
+        at += 2
+    if at > len(head) or at >= size - 8:
+        return None, "gzip header longer than fetched"
+    isize = int.from_bytes(tail[-4:], "little")
+    if isize != expected % (1 << 32):
+        return None, f"gzip trailer says {isize} bytes (mod 2**32), expected {expected}"
+    return (at, size - 8), ""

@@ -100,6 +100,9 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
         except ValueError:  # a piece the kernel cannot take (e.g. a ragged delta): the host says why
             pass
         else:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()  # so the recorded time is the kernel's, not its launch
             _record(sum(int(p.size) for p in out), started, (c,), "gpu", device)
             return out
     warn_host_fallback(c, device)

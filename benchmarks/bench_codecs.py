@@ -1,6 +1,7 @@
 """Decode throughput: gpulazy's batched GPU decode against numcodecs on the host.
 
-    python benchmarks/bench_codecs.py [--chunks 256] [--repeat 5] [--json PATH] [--probe]
+    python benchmarks/bench_codecs.py [--chunks 256] [--repeat 5] [--json PATH]
+    python benchmarks/bench_codecs.py --probe [--json PATH]
 
 Makes ``--chunks`` chunks of 1024 × 1024 uint16 (2 MiB each) of realistic data (a smooth
 volume plus noise), encodes them with zstd-1, lz4, zlib-1 and zstd-1 + shuffle, and
@@ -13,8 +14,9 @@ times decoding all of them
 - with numcodecs on the host, on one thread and on a pool of ``os.cpu_count()`` threads.
 
 Prints GB/s of decoded output (best of ``--repeat``), the ratios and each codec's
-compression ratio. ``--probe`` also prints what nvCOMP reports for a corrupt or
-truncated piece and for an oversized output (the facts ``gpulazy.codecs.nvcomp`` relies on).
+compression ratio. ``--probe`` prints instead what nvCOMP reports for a corrupt or
+truncated piece and for an over- or undersized output (the facts ``gpulazy.codecs.nvcomp``
+relies on), each case in a process of its own.
 """
 
 from __future__ import annotations
@@ -189,8 +191,34 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+PROBE_CASES = ("exact", "oversized_output", "undersized_output", "garbled_payload", "truncated")
+
+
 def probe() -> dict:
-    """What nvCOMP's Python API reports for the cases gpulazy's checks rely on."""
+    """What nvCOMP's Python API reports for the cases gpulazy's checks rely on.
+
+    Each case runs in a process of its own: a decoder that faults takes the CUDA context
+    (and the process) down with it, which is itself the answer.
+    """
+    import subprocess
+
+    facts: dict = {}
+    for algo in ("Zstd", "LZ4", "Deflate"):
+        for case in PROBE_CASES:
+            try:
+                r = subprocess.run([sys.executable, __file__, "--probe-case", algo, case], capture_output=True,
+                                   text=True, timeout=90)
+                lines = r.stdout.strip().splitlines()
+                got = json.loads(lines[-1]) if r.returncode == 0 and lines else {
+                    "process_failed": r.returncode, "stderr": r.stderr.strip()[-300:]}
+            except subprocess.TimeoutExpired:
+                got = {"timed_out": True}
+            facts.setdefault(algo, {})[case] = got
+            print(algo, case, json.dumps(got), flush=True)
+    return facts
+
+
+def probe_case(algo: str, case: str) -> dict:
     import cupy
     import numcodecs
     from nvidia import nvcomp as nv
@@ -198,34 +226,26 @@ def probe() -> dict:
     from gpulazy.codecs import nvcomp
 
     data = make_chunks(1)[0].tobytes()[: 1 << 18]
-    facts = {}
-    for algo, enc, cut in (("Zstd", numcodecs.Zstd(1), (0, 0)), ("LZ4", numcodecs.LZ4(), (4, 0)),
-                           ("Deflate", numcodecs.Zlib(1), (2, 4))):
-        blob = np.frombuffer(bytes(enc.encode(data)), "u1")
-        bare = cupy.asarray(blob[cut[0]:blob.size - cut[1]])
-        c = nvcomp._codec(algo, 0)
-        f = {"alignment": int(c.get_required_decompression_alignment())}
-
-        def attempt(src, capacity):
-            out = cupy.zeros(capacity, np.uint8)
-            try:
-                res = c.decode(nv.as_arrays([src]), out=nv.as_arrays(out, [0], [capacity]))
-                sizes = list(res.buffer_sizes)
-                same = out[: len(data)].get().tobytes() == data if capacity >= len(data) else None
-                return {"sizes": sizes, "bytes_equal": same}
-            except Exception as e:
-                return {"error": f"{type(e).__name__}: {e}"[:300]}
-
-        f["exact"] = attempt(bare, len(data))
-        f["oversized_output"] = attempt(bare, len(data) + 4096)
-        f["undersized_output"] = attempt(bare, len(data) - 4096)
-        garbled = bare.copy()
-        garbled[16:-16] = cupy.asarray(np.random.default_rng(0).integers(0, 256, garbled.size - 32, dtype=np.uint8))
-        f["garbled_payload"] = attempt(garbled, len(data))
-        f["truncated"] = attempt(bare[: bare.size // 2], len(data))
-        facts[algo] = f
-        print(algo, json.dumps(f), flush=True)
-    return facts
+    enc, cut = {"Zstd": (numcodecs.Zstd(1), (0, 0)), "LZ4": (numcodecs.LZ4(), (4, 0)),
+                "Deflate": (numcodecs.Zlib(1), (2, 4))}[algo]
+    blob = np.frombuffer(bytes(enc.encode(data)), "u1")
+    bare = cupy.asarray(blob[cut[0]:blob.size - cut[1]])
+    c = nvcomp._codec(algo, 0)
+    capacity = {"oversized_output": len(data) + 4096, "undersized_output": len(data) - 4096}.get(case, len(data))
+    if case == "garbled_payload":
+        bare[16:-16] = cupy.asarray(np.random.default_rng(0).integers(0, 256, bare.size - 32, dtype=np.uint8))
+    if case == "truncated":
+        bare = bare[: bare.size // 2]
+    out = cupy.zeros(capacity, np.uint8)
+    f: dict = {"alignment": int(c.get_required_decompression_alignment())}
+    try:
+        res = c.decode(nv.as_arrays([bare]), out=nv.as_arrays(out, [0], [capacity]))
+        f["sizes"] = list(res.buffer_sizes)
+        cupy.cuda.runtime.deviceSynchronize()
+        f["bytes_equal"] = out[: len(data)].get().tobytes() == data if capacity >= len(data) else None
+    except Exception as e:
+        f["error"] = f"{type(e).__name__}: {e}"[:300]
+    return f
 
 
 def main(argv=None) -> int:
@@ -233,11 +253,17 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=int, default=256)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--probe", action="store_true", help="print nvCOMP's reports for corrupt pieces first")
+    p.add_argument("--probe", action="store_true", help="only print nvCOMP's reports for corrupt pieces")
+    p.add_argument("--probe-case", nargs=2, metavar=("ALGO", "CASE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    doc = {"probe": probe()} if args.probe else {}
-    doc.update(run(args.chunks, args.repeat))
-    print(table(doc))
+    if args.probe_case:
+        print(json.dumps(probe_case(*args.probe_case)))
+        return 0
+    if args.probe:
+        doc = {"probe": probe()}
+    else:
+        doc = run(args.chunks, args.repeat)
+        print(table(doc))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

@@ -13,13 +13,18 @@ algorithm, so
   Deflate, and an 8-byte CRC-32 + size trailer (the size is checked).
 
 A piece whose framing is not the plain form (a zstd dictionary, a preset zlib
-dictionary, a gzip header longer than what was fetched, a size field that disagrees)
-is not sent to nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on
-the host, which either decodes it or raises the error that names the file. The same
-goes for pieces nvCOMP decodes to a size other than the expected one, and for a whole
-batch nvCOMP refuses. nvCOMP does not verify zstd content checksums, Adler-32 or gzip
-CRC-32: a corruption inside the compressed payload that still decodes to the right
-size is not detected on the GPU (numcodecs' zstd does not write checksums either).
+dictionary, a gzip header longer than what was fetched, a size field that disagrees,
+a zstd frame whose block headers do not end exactly at the piece's end) is not sent to
+nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on the host, which
+either decodes it or raises the error that names the file. The same goes for pieces
+nvCOMP decodes to a size other than the expected one, and for a whole batch nvCOMP
+refuses.
+
+What is not checked: nvCOMP's zstd and Deflate decoders assume valid input (NVIDIA's
+release notes say so; a garbled zstd payload faulted the CUDA context in our probe on an
+H100), and nvCOMP verifies no zstd content checksum, Adler-32 or gzip CRC-32. The checks
+above catch truncated and mis-framed pieces; a payload corrupted *inside* a block is not
+caught on the GPU. Read files you do not trust with ``device="cpu"``.
 
 >>> from gpulazy.codecs import nvcomp
 >>> isinstance(nvcomp.supported(), frozenset)
@@ -134,6 +139,10 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
             spans.append((i, *span))
     if not spans:
         return result
+    if framing == "zstd" and spans:
+        spans = _walk_zstd(pieces, spans, heads, result)
+        if not spans:
+            return result
     src = [pieces[i][a:b] for i, a, b in spans]
     want = [int(sizes[i]) for i, _, _ in spans]
     views, got, error = _run(algorithm, device_index, src, want, cupy)
@@ -230,6 +239,84 @@ def _zstd(head: bytes, size: int, expected: int) -> tuple[Any, str]:
         if fcs != expected:
             return None, f"zstd frame says {fcs} bytes, expected {expected}"
     return (0, size), ""
+
+
+def zstd_header(head: bytes) -> tuple[int, int]:
+    """``(header length, checksum length)`` of the zstd frame whose first bytes are ``head``."""
+    fhd = head[4]
+    single = (fhd >> 5) & 1
+    fcs = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+    did = (0, 1, 2, 4)[fhd & 3]
+    return 5 + (0 if single else 1) + did + fcs, 4 if fhd & 4 else 0
+
+
+def zstd_blocks_fit(data: bytes, start: int, trailer: int) -> bool:
+    """Whether the block headers from ``start`` chain to a last block ending at ``len(data) - trailer``.
+
+    The host twin of the ``_ZSTD_WALK`` kernel (the tests check one against the other's rules).
+    """
+    pos, end = start, len(data)
+    while pos + 3 <= end:
+        h = data[pos] | data[pos + 1] << 8 | data[pos + 2] << 16
+        last, kind, size = h & 1, (h >> 1) & 3, h >> 3
+        if kind == 3 or size > _ZSTD_MAX_BLOCK:
+            return False
+        pos += 3 + (1 if kind == 1 else size)
+        if last:
+            return pos + trailer == end
+    return False
+
+
+def _walk_zstd(pieces: Sequence[Any], spans: list, heads: list[bytes], result: Decoded) -> list:
+    """Spans whose zstd block chain fits the piece exactly (one thread per piece walks it on the GPU).
+
+    A truncated or overlong frame would make nvCOMP read past the piece; such pieces go to the host.
+    """
+    import cupy
+
+    from gpulazy.codecs import filters
+
+    layout = [zstd_header(heads[i]) for i, _, _ in spans]
+    src = [pieces[i] for i, _, _ in spans]
+    k = filters._kernel("zstd_walk", _ZSTD_WALK)
+    n = len(src)
+    sizes = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
+    starts = cupy.asarray(np.array([a for a, _ in layout], dtype=np.int64))
+    trailers = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
+    ok = cupy.zeros(n, dtype=np.int32)
+    k((-(-n // 64),), (64,), (filters._table(src), sizes, starts, trailers, ok, np.int64(n)))
+    fits = ok.get()
+    keep = []
+    for (i, a, b), good in zip(spans, fits):
+        if good:
+            keep.append((i, a, b))
+        else:
+            result.host.append(i)
+            result.why[i] = "zstd block headers do not end at the end of the piece (truncated or corrupt)"
+    return keep
+
+
+_ZSTD_MAX_BLOCK = 128 * 1024
+
+_ZSTD_WALK = r"""
+extern "C" __global__ void gl_zstd_walk(const unsigned long long* src, const long long* n,
+                                        const long long* start, const long long* trailer, int* ok,
+                                        long long count) {
+    long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (p >= count) return;
+    const unsigned char* s = (const unsigned char*)src[p];
+    long long end = n[p], pos = start[p];
+    int good = 0;
+    while (pos + 3 <= end) {
+        unsigned int h = s[pos] | (s[pos + 1] << 8) | (s[pos + 2] << 16);
+        unsigned int last = h & 1u, kind = (h >> 1) & 3u, size = h >> 3;
+        if (kind == 3u || size > 131072u) break;
+        pos += 3 + (kind == 1u ? 1 : (long long)size);
+        if (last) { good = (pos + trailer[p] == end); break; }
+    }
+    ok[p] = good;
+}
+"""
 
 
 def _lz4(head: bytes, size: int, expected: int) -> tuple[Any, str]:

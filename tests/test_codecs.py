@@ -223,6 +223,78 @@ def test_truncated_piece_raises(tmp_path, device):
         read(bad, device)
 
 
+# -- whole-array reads decode in batches across chunks ---------------------------------------
+
+def chunked_specs(path: str, data: np.ndarray, chunk: int, codec) -> tuple[dict, tuple]:
+    """``data`` split along axis 0 into chunks of ``chunk`` rows, each stored as 2 tiles."""
+    import dataclasses
+
+    specs, rows, blobs = {}, [], []
+    for i, a in enumerate(range(0, data.shape[0], chunk)):
+        part = data[a:a + chunk]
+        half = -(-part.shape[0] // 2)
+        blobs += [encode(part[:half], codec), encode(part[half:], codec)]
+        rows.append((i, part.shape, half))
+    ranges = write_blobs(path, blobs)
+    for (i, shape, half), r0, r1 in zip(rows, ranges[0::2], ranges[1::2]):
+        tiles = (Tile(r0, (half, *shape[1:]), (0, 0)), Tile(r1, (shape[0] - half, *shape[1:]), (half, 0)))
+        spec = ChunkSpec((r0, r1), shape, data.dtype.str, codec=tuple(codec), tiles=tiles)
+        specs[(i, 0)] = dataclasses.replace(spec, index=(i, 0))
+    chunks = (tuple(s.shape[0] for s in specs.values()), (data.shape[1],))
+    return specs, chunks
+
+
+def test_read_whole_decodes_in_batches_overlapping_reads(tmp_path, monkeypatch):
+    import gpulazy.codecs
+    import gpulazy.io
+    from gpulazy.array import ChunkSource, _AssembledBatches, read_whole
+
+    data = sample((40, 50), "<u2")
+    # crc32c: every chunk stores the same number of bytes, so batches hold 3 chunks exactly
+    specs, chunks = chunked_specs(str(tmp_path / "a.bin"), data, 4, (Codec("crc32c"),))
+    events = []
+    submit, batch = gpulazy.io.submit_chunk, gpulazy.codecs.assemble_batch
+    monkeypatch.setattr(gpulazy.io, "submit_chunk", lambda spec, *a: events.append(("read", spec.index)) or
+                        submit(spec, *a))
+    monkeypatch.setattr(gpulazy.codecs, "assemble_batch", lambda bufs, specs, *a: events.append(
+        ("decode", [s.index for s in specs])) or batch(bufs, specs, *a))
+    monkeypatch.setattr(_AssembledBatches, "BATCH", 3 * specs[(0, 0)].nbytes)  # 3 chunks a batch
+    out = read_whole(specs, ChunkSource("cpu", None, False), chunks, data.dtype)
+    np.testing.assert_array_equal(out, data)
+    decodes = [e[1] for e in events if e[0] == "decode"]
+    assert decodes == [[(0, 0), (1, 0), (2, 0)], [(3, 0), (4, 0), (5, 0)], [(6, 0), (7, 0), (8, 0)], [(9, 0)]]
+    # batch n decodes only after the reads of batch n+1 were submitted
+    first_decode = events.index(("decode", decodes[0]))
+    assert ("read", (5, 0)) in events[:first_decode]
+
+
+def test_read_whole_raises_for_a_corrupt_chunk_in_a_batch(tmp_path):
+    from gpulazy.array import ChunkSource, read_whole
+
+    data = sample((24, 30), "<u2")
+    specs, chunks = chunked_specs(str(tmp_path / "a.bin"), data, 4, (ZLIB,))
+    bad = specs[(3, 0)].tiles[1].range
+    with open(bad.path, "r+b") as f:
+        f.seek(bad.offset)
+        f.write(b"\x00" * 8)
+    with pytest.raises(ChunkDecodeError) as e:
+        read_whole(specs, ChunkSource("cpu", None, False), chunks, data.dtype)
+    assert e.value.offset == bad.offset
+
+
+@pytest.mark.gpu
+def test_read_whole_decodes_on_the_gpu_in_one_call_per_batch(tmp_path):
+    from gpulazy.array import ChunkSource, read_whole
+
+    gpulazy.stats().reset()
+    data = sample((64, 256), "<u2")
+    specs, chunks = chunked_specs(str(tmp_path / "a.bin"), data, 8, (ZSTD, Codec.of("shuffle", elementsize=2)))
+    out = read_whole(specs, ChunkSource("cuda:0", None, False), chunks, data.dtype)
+    np.testing.assert_array_equal(out.get(), data)
+    snap = gpulazy.stats().snapshot()["decode_by_codec"]
+    assert snap["zstd"]["gpu"]["calls"] == 1 and snap["shuffle"]["gpu"]["calls"] == 1
+
+
 def test_step_sizes_work_back_from_the_expected_size():
     codec = (Codec("crc32c"), ZLIB, Codec.of("delta", dtype="<i4", astype="<i2"), Codec.of("shuffle", elementsize=4))
     assert step_sizes(codec, [400]) == [None, [200], [400], [400]]

@@ -126,7 +126,7 @@ def run(n: int, repeat: int) -> dict:
     import cupy
 
     import gpulazy
-    from gpulazy.codecs import decode_pieces
+    from gpulazy.codecs import decode_pieces, nvcomp
 
     dev = gpulazy.get_device("cuda:0")
     t0 = time.perf_counter()
@@ -163,7 +163,8 @@ def run(n: int, repeat: int) -> dict:
                    "compression_ratio": total / stored, "gpulazy_gpu_gbps": total / gpu_s / 1e9,
                    "nvcomp_direct_gbps": total / direct_s / 1e9 if direct_s else None,
                    "host_1thread_gbps": total / one_s / 1e9, f"host_{threads}threads_gbps": total / pool_s / 1e9,
-                   "x_vs_host_1thread": one_s / gpu_s, "x_vs_host_pool": pool_s / gpu_s, "steps_ran_on": places}
+                   "x_vs_host_1thread": one_s / gpu_s, "x_vs_host_pool": pool_s / gpu_s, "steps_ran_on": places,
+                   "nvcomp_caller_outputs_refused": dict(nvcomp._NO_CALLER_OUTPUT)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del buf, pieces

@@ -137,13 +137,16 @@ def _download(pieces: list[Any]) -> list[np.ndarray]:
 
 
 def _upload(arrays: list[np.ndarray]) -> list[Any]:
+    """One copy up; each piece starts 256-byte aligned, so any dtype can view it."""
     import cupy
 
     flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-    lengths = [a.size for a in flat]
-    dev = cupy.asarray(np.concatenate(flat)) if sum(lengths) else cupy.empty(0, np.uint8)
-    cuts = np.cumsum([0, *lengths])
-    return [dev[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    offsets = np.cumsum([0, *(-(-a.size // 256) * 256 for a in flat)])
+    staged = np.empty(max(int(offsets[-1]), 1), np.uint8)
+    for a, at in zip(flat, offsets):
+        staged[at:at + a.size] = a
+    dev = cupy.asarray(staged)
+    return [dev[at:at + a.size] for a, at in zip(flat, offsets)]
 
 
 @functools.cache

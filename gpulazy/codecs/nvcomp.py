@@ -163,7 +163,12 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
 
 def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cupy: Any
          ) -> tuple[list[Any], list[int], str | None]:
-    """Decode ``src`` into one output buffer; ``(views, decoded sizes, batch error or None)``."""
+    """Decode ``src`` in one nvCOMP call; ``(views, decoded sizes, batch error or None)``.
+
+    Into one caller-sized output buffer carved per piece (``out=``); should this nvCOMP
+    build refuse that form, the batch is decoded again into buffers nvCOMP allocates
+    (and that form is kept for this algorithm from then on).
+    """
     from nvidia import nvcomp
 
     from gpulazy.codecs import filters
@@ -171,24 +176,36 @@ def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cup
     codec = _codec(algorithm, device_index)
     align = max(1, int(codec.get_required_decompression_alignment()))
     src = filters.aligned(src, align)
-    offsets, total = _carve(want, max(align, _OUT_ALIGN))
-    out = cupy.empty(max(total, 1), dtype=np.uint8)
     stream = cupy.cuda.get_current_stream().ptr
+    batch = nvcomp.as_arrays(src, stream)
+    if algorithm not in _NO_CALLER_OUTPUT:
+        buf, views = filters._outputs(want, max(align, _OUT_ALIGN))
+        try:
+            dst = nvcomp.as_arrays(buf, [v.data.ptr - buf.data.ptr for v in views], want, stream)
+            res = codec.decode(batch, out=dst)
+            return views, [int(n) for n in res.buffer_sizes], None  # buffer_sizes waits for the decode
+        except Exception as e:  # corrupt data, or a build that takes no caller outputs: try the other form
+            first = e
     try:
-        dst = nvcomp.as_arrays(out, offsets, want, stream)
-        res = codec.decode(nvcomp.as_arrays(src, stream), out=dst)
-        got = [int(n) for n in res.buffer_sizes]  # waits for the decode
-    except Exception as e:  # a status nvCOMP reports for the batch (corrupt data, too small an output)
+        res = codec.decode(batch)
+        got = [int(n) for n in res.buffer_sizes]
+    except Exception as e:  # a status nvCOMP reports for the batch (corrupt or truncated data)
         return [], [], f"nvCOMP {algorithm} refused the batch: {type(e).__name__}: {e}"
-    return [out[o:o + n] for o, n in zip(offsets, want)], got, None
+    if algorithm not in _NO_CALLER_OUTPUT and got == want:  # the data was fine: the caller-output form is not
+        _NO_CALLER_OUTPUT[algorithm] = f"{type(first).__name__}: {first}"
+    return [_view(res, k, cupy) for k in range(len(got))], got, None
 
 
-def _carve(sizes: Sequence[int], align: int) -> tuple[list[int], int]:
-    offsets, at = [], 0
-    for n in sizes:
-        offsets.append(at)
-        at += -(-int(n) // align) * align
-    return offsets, at
+#: Algorithms whose decode into caller buffers failed while nvCOMP's own outputs worked (and why).
+_NO_CALLER_OUTPUT: dict[str, str] = {}
+
+
+def _view(res: Any, k: int, cupy: Any) -> Any:
+    """Piece ``k`` of an nvCOMP-allocated batch as a CuPy array that keeps the batch alive."""
+    item = res[k]
+    ptr, nbytes = int(item.__cuda_array_interface__["data"][0]), int(item.buffer_size)
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=(res, item))
+    return cupy.ndarray((nbytes,), dtype=np.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
 def _ends(pieces: Sequence[Any]) -> tuple[list[bytes], list[bytes]]:

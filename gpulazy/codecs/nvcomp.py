@@ -20,11 +20,17 @@ either decodes it or raises the error that names the file. The same goes for pie
 nvCOMP decodes to a size other than the expected one, and for a whole batch nvCOMP
 refuses.
 
-What is not checked: nvCOMP's zstd and Deflate decoders assume valid input (NVIDIA's
-release notes say so; a garbled zstd payload faulted the CUDA context in our probe on an
-H100), and nvCOMP verifies no zstd content checksum, Adler-32 or gzip CRC-32. The checks
-above catch truncated and mis-framed pieces; a payload corrupted *inside* a block is not
-caught on the GPU. Read files you do not trust with ``device="cpu"``.
+What nvCOMP 6.0 does with bad input, probed on an H100 (``benchmarks/bench_codecs.py
+--probe``): Deflate reports the bytes it actually decoded (a garbled stream 0, a
+truncated one fewer), so the size check catches both; LZ4's size pass rejects a garbled
+piece before decoding (the output would not fit); zstd and LZ4 read past a piece's stated
+end (a stream cut in half still decoded in full from the bytes behind it), hence the zstd
+block walk; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
+its zstd and Deflate decoders assume valid input). nvCOMP verifies no zstd content
+checksum, Adler-32 or gzip CRC-32. So a payload corrupted *inside* a zstd block, or an LZ4
+stream garbled so that it still adds up to the expected size, is not caught on the GPU
+and can take the process's GPU context down: read files you do not trust with
+``device="cpu"``.
 
 >>> from gpulazy.codecs import nvcomp
 >>> isinstance(nvcomp.supported(), frozenset)
@@ -165,9 +171,13 @@ def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cup
          ) -> tuple[list[Any], list[int], str | None]:
     """Decode ``src`` in one nvCOMP call; ``(views, decoded sizes, batch error or None)``.
 
-    Into one caller-sized output buffer carved per piece (``out=``); should this nvCOMP
-    build refuse that form, the batch is decoded again into buffers nvCOMP allocates
-    (and that form is kept for this algorithm from then on).
+    Into one caller-sized output buffer carved per piece (``out=``). nvCOMP first works out
+    every piece's decoded size from its stream and raises ``ValueError`` when one does not
+    fit its slot: that is how a mis-sized or garbled LZ4/Deflate piece shows up, before any
+    byte is written, and the batch then goes to the host. ``buffer_sizes`` are the sizes
+    actually decoded (a truncated Deflate stream reports fewer bytes). Only a build that
+    does not take ``out=`` at all (``TypeError``) gets buffers nvCOMP allocates instead;
+    decoding a refused batch again that way is what faulted the GPU on a garbled LZ4 piece.
     """
     from nvidia import nvcomp
 
@@ -178,25 +188,24 @@ def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cup
     src = filters.aligned(src, align)
     stream = cupy.cuda.get_current_stream().ptr
     batch = nvcomp.as_arrays(src, stream)
-    if algorithm not in _NO_CALLER_OUTPUT:
-        buf, views = filters._outputs(want, max(align, _OUT_ALIGN))
-        try:
-            dst = nvcomp.as_arrays(buf, [v.data.ptr - buf.data.ptr for v in views], want, stream)
-            res = codec.decode(batch, out=dst)
-            return views, [int(n) for n in res.buffer_sizes], None  # buffer_sizes waits for the decode
-        except Exception as e:  # corrupt data, or a build that takes no caller outputs: try the other form
-            first = e
     try:
+        if algorithm not in _NO_CALLER_OUTPUT:
+            buf, views = filters._outputs(want, max(align, _OUT_ALIGN))
+            try:
+                dst = nvcomp.as_arrays(buf, [v.data.ptr - buf.data.ptr for v in views], want, stream)
+                res = codec.decode(batch, out=dst)
+            except TypeError as e:  # this build takes no caller outputs
+                _NO_CALLER_OUTPUT[algorithm] = f"{type(e).__name__}: {e}"
+            else:
+                return views, [int(n) for n in res.buffer_sizes], None  # buffer_sizes waits for the decode
         res = codec.decode(batch)
         got = [int(n) for n in res.buffer_sizes]
-    except Exception as e:  # a status nvCOMP reports for the batch (corrupt or truncated data)
+    except Exception as e:  # a status nvCOMP reports for the batch (a piece too big, corrupt data)
         return [], [], f"nvCOMP {algorithm} refused the batch: {type(e).__name__}: {e}"
-    if algorithm not in _NO_CALLER_OUTPUT and got == want:  # the data was fine: the caller-output form is not
-        _NO_CALLER_OUTPUT[algorithm] = f"{type(first).__name__}: {first}"
     return [_view(res, k, cupy) for k in range(len(got))], got, None
 
 
-#: Algorithms whose decode into caller buffers failed while nvCOMP's own outputs worked (and why).
+#: Algorithms whose nvCOMP build refused caller output buffers (and why).
 _NO_CALLER_OUTPUT: dict[str, str] = {}
 
 

@@ -315,6 +315,33 @@ def test_cpu_decodes_are_recorded_in_stats(tmp_path):
     assert snap["decoded_bytes"] == data.nbytes and set(snap["decode_by_place"]) == {"host"}
 
 
+def test_record_decode_counts_per_codec_and_place():
+    from gpulazy.stats import Stats
+
+    s = Stats()
+    s.record_decode(nbytes=4 * 10**9, seconds=0.25, codec="zstd", where="gpu", device="cuda:0")
+    s.record_decode(nbytes=10**9, seconds=0.25, codec="zstd", where="gpu", device="cuda:0")
+    s.record_decode(nbytes=10**8, seconds=0.5, codec="imagecodecs_lzw", where="host", device="cuda:0")
+    snap = s.snapshot()
+    assert snap["decode_by_codec"]["zstd"]["gpu"] == {"bytes": 5 * 10**9, "seconds": 0.5, "calls": 2}
+    assert snap["decode_by_place"]["host"]["bytes"] == 10**8 and snap["decoded_bytes"] == 5_100_000_000
+    s.reset()
+    assert s.snapshot()["decoded_bytes"] == 0 and s.snapshot()["decode_by_codec"] == {}
+
+
+def test_dashboard_says_where_each_codec_decodes():
+    from gpulazy.stats import Stats
+    from gpulazy.widgets import dashboard_figures
+
+    s = Stats()
+    memory = {"gpu": False, "used": 1, "total": 2, "reason": "none"}
+    assert dashboard_figures(s.snapshot(), None, memory)["text"]["decode"] == "decode: nothing decoded yet"
+    s.record_decode(nbytes=123 * 10**8, seconds=1.0, codec="zstd", where="gpu", device="cuda:0")
+    s.record_decode(nbytes=10**8, seconds=0.5, codec="imagecodecs_lzw", where="host", device="cuda:0")
+    text = dashboard_figures(s.snapshot(), None, memory)["text"]["decode"]
+    assert text == "decode: imagecodecs_lzw on host 0.2 GB/s / zstd on GPU 12.3 GB/s"
+
+
 # -- the GPU path ---------------------------------------------------------------------------
 
 @pytest.mark.gpu

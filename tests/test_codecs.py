@@ -342,6 +342,14 @@ def test_dashboard_says_where_each_codec_decodes():
     assert text == "decode: imagecodecs_lzw on host 0.2 GB/s / zstd on GPU 12.3 GB/s"
 
 
+def test_gpu_decode_setting_reads_flags():
+    with gpulazy.config.set(gpu_decode="off"):
+        assert gpulazy.config.get("gpu_decode") is False
+    assert gpulazy.config.get("gpu_decode") is True
+    with pytest.raises(gpulazy.errors.ConfigError, match="true or false"):
+        gpulazy.config.set(gpu_decode="maybe")
+
+
 # -- the GPU path ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -356,6 +364,20 @@ def test_compressors_really_decode_on_the_gpu(tmp_path, codec):
     places = gpulazy.stats().snapshot()["decode_by_codec"][codec.id]
     assert set(places) == {"gpu"} and places["gpu"]["bytes"] == data.nbytes
     assert decoded_on((codec,), get_device("cuda:0")) == "gpu"
+
+
+@pytest.mark.gpu
+def test_gpu_decode_off_decodes_on_the_host_without_warning(tmp_path):
+    gpulazy.stats().reset()
+    data = sample((32, 40), "<u2")
+    codec = (ZSTD, Codec.of("shuffle", elementsize=2))
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 40), codec)
+    with gpulazy.config.set(gpu_decode=False), warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        out = read_chunk(spec, get_backend(None, "cuda:0"))
+        assert decoded_on(codec, get_device("cuda:0")) == "host"
+    np.testing.assert_array_equal(out.get(), data)
+    assert set(gpulazy.stats().snapshot()["decode_by_place"]) == {"host"}
 
 
 @pytest.mark.gpu

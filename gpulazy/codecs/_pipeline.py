@@ -83,7 +83,7 @@ def warn_host_fallback(codec: Codec, device: Device) -> None:
 @functools.cache
 def _warn_once(codec_id: str, device: str) -> None:
     warnings.warn(f"codec {codec_id!r} has no GPU decoder here: its chunks decode on the host and are copied "
-                  f"to {device} (slower); install nvidia-nvcomp-cu13 for zstd/lz4/deflate on the GPU",
+                  f"to {device} (slower); nvCOMP (nvidia-nvcomp-cu13) decodes zstd, lz4, zlib and gzip on the GPU",
                   PerformanceWarning, stacklevel=4)
 
 

@@ -8,6 +8,8 @@ pool, one copy up, with one ``PerformanceWarning`` per codec. Pieces nvCOMP does
 take (unusual framing) or decodes to the wrong size go through the host too, which
 decodes them or raises the ``ChunkDecodeError`` that names the file and offset.
 Where each step ran is recorded in ``gpulazy.stats()`` (``decode`` figures).
+``gpulazy.config.set(gpu_decode=False)`` decodes every step on the host (for files you
+do not trust: nvCOMP assumes valid input, see ``gpulazy.codecs.nvcomp``).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ _TRAILERS = {"crc32c": 4, "fletcher32": 4, "adler32": 4, "crc32": 4, "jenkins_lo
 
 
 def runs_on_gpu(c: Codec) -> bool:
-    """Whether step ``c`` decodes on the GPU here."""
+    """Whether step ``c`` decodes on the GPU here (never with ``config gpu_decode=False``)."""
+    from gpulazy import config
     from gpulazy.codecs import filters, nvcomp
 
-    return nvcomp.handles(c) or filters.handles(c)
+    return bool(config.get("gpu_decode")) and (nvcomp.handles(c) or filters.handles(c))
 
 
 def step_sizes(codec: Sequence[Codec], expected: Sequence[int]) -> list[list[int] | None]:
@@ -69,8 +72,16 @@ def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Seq
     """Each piece (1-D CuPy uint8) decoded through ``codec`` on ``device``, a batch per step."""
     from gpulazy.codecs._pipeline import _pad
 
+    from gpulazy import config
+    from gpulazy.codecs._pipeline import _record
+
     where = _pad(where, len(pieces))
     current = [p.reshape(-1).view(np.uint8) for p in pieces]
+    if not config.get("gpu_decode"):  # asked for: every step on the host, no warning
+        started = time.perf_counter()
+        current = _on_host(current, codec, list(expected), where)
+        _record(sum(int(p.size) for p in current), started, codec, "host", device)
+        return current
     for c, sizes in zip(codec, step_sizes(codec, expected)):
         current = _step(current, c, sizes, device, where)
     return current
@@ -111,8 +122,9 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
     return out
 
 
-def _on_host(pieces: list[Any], c: Codec, sizes: list[int] | None, where: list[Any]) -> list[Any]:
-    """Step ``c`` on the host: one copy down, decode on a thread pool, one copy up."""
+def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]
+             ) -> list[Any]:
+    """Step (or pipeline) ``c`` on the host: one copy down, decode on a thread pool, one copy up."""
     from gpulazy.codecs._pipeline import _host_one
 
     if not pieces:
@@ -120,10 +132,11 @@ def _on_host(pieces: list[Any], c: Codec, sizes: list[int] | None, where: list[A
     down = _download(pieces)
     sz = sizes if sizes is not None else [None] * len(pieces)
     jobs = [(p, n, w) for p, n, w in zip(down, sz, where)]
+    steps = c if isinstance(c, tuple) else (c,)
     if len(jobs) == 1:
-        decoded = [_host_one(down[0], (c,), sz[0], where[0])]
+        decoded = [_host_one(down[0], steps, sz[0], where[0])]
     else:
-        decoded = list(_pool().map(lambda j: _host_one(j[0], (c,), j[1], j[2]), jobs))
+        decoded = list(_pool().map(lambda j: _host_one(j[0], steps, j[1], j[2]), jobs))
     return _upload(decoded)
 
 

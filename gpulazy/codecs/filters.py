@@ -30,7 +30,7 @@ import numpy as np
 
 from gpulazy.spec import Codec
 
-__all__ = ["supported", "handles", "decode", "aligned", "IDS"]
+__all__ = ["supported", "handles", "decode", "aligned", "carve", "pointer_table", "kernel", "IDS"]
 
 IDS = frozenset({"shuffle", "delta", "crc32c"})
 _MAX_Y = 65535  # CUDA's grid y limit: batches larger than this launch in parts
@@ -63,7 +63,7 @@ def decode(pieces: Sequence[Any], c: Codec) -> list[Any]:
         es = int(c.get("elementsize", 4))
         if es <= 1:
             return list(pieces)
-        _, views = _outputs([int(p.size) for p in pieces])
+        _, views = carve([int(p.size) for p in pieces])
         _launch("unshuffle", _UNSHUFFLE, pieces, views, extra=(np.int64(es),), grid_x=_grid_x(pieces))
         return views
     if c.id == "delta":
@@ -79,7 +79,7 @@ def aligned(pieces: Sequence[Any], align: int) -> list[Any]:
     if not bad:
         return list(pieces)
     out = list(pieces)
-    _, views = _outputs([int(pieces[i].size) for i in bad], align=max(align, 256))
+    _, views = carve([int(pieces[i].size) for i in bad], align=max(align, 256))
     _launch("copy", _COPY, [pieces[i] for i in bad], views, grid_x=_grid_x([pieces[i] for i in bad]))
     for i, v in zip(bad, views):
         out[i] = v
@@ -115,7 +115,7 @@ def _delta(pieces: Sequence[Any], c: Codec) -> list[Any]:
     for p in pieces:
         if p.size % at.itemsize:
             raise ValueError(f"delta piece of {p.size} bytes is not a whole number of {at.str!r} elements")
-    _, views = _outputs([n * dt.itemsize for n in counts])
+    _, views = carve([n * dt.itemsize for n in counts])
     if _delta_kind(c) == "int":
         acc = "unsigned long long" if dt.itemsize == 8 else "unsigned int"
         src = _DELTA_INT.format(ti=_CTYPES[at.str[1:]], u=_CTYPES["u" + str(dt.itemsize)], acc=acc)
@@ -128,7 +128,7 @@ def _delta(pieces: Sequence[Any], c: Codec) -> list[Any]:
 
 # -- launching ----------------------------------------------------------------------------
 
-def _outputs(sizes: Sequence[int], align: int = 256) -> tuple[Any, list[Any]]:
+def carve(sizes: Sequence[int], align: int = 256) -> tuple[Any, list[Any]]:
     """One device buffer carved into pieces of ``sizes`` bytes, each start ``align``-aligned."""
     import cupy
 
@@ -140,14 +140,16 @@ def _outputs(sizes: Sequence[int], align: int = 256) -> tuple[Any, list[Any]]:
     return buf, [buf[o:o + int(n)] for o, n in zip(offsets, sizes)]
 
 
-def _table(arrays: Sequence[Any]) -> Any:
+def pointer_table(arrays: Sequence[Any]) -> Any:
+    """The arrays' device addresses as a uint64 device array: one launch reaches pieces in any buffer."""
     import cupy
 
     return cupy.asarray(np.array([a.data.ptr for a in arrays], dtype=np.uint64))
 
 
 @functools.cache
-def _kernel(name: str, source: str) -> Any:
+def kernel(name: str, source: str) -> Any:
+    """A compiled ``cupy.RawKernel`` for ``source``, once per process."""
     import cupy
 
     # ``name`` only keys the cache; the entry point is the one kernel the source defines.
@@ -165,11 +167,11 @@ def _launch(name: str, source: str, srcs: Sequence[Any], dsts: Sequence[Any], *,
     """Kernels with ``blockIdx.y`` = piece and a grid-stride loop over its bytes."""
     import cupy
 
-    k = _kernel(name, source)
+    k = kernel(name, source)
     for a in range(0, len(srcs), _MAX_Y):
         s, d = srcs[a:a + _MAX_Y], dsts[a:a + _MAX_Y]
         sizes = cupy.asarray(np.array([int(x.size) for x in d], dtype=np.int64))
-        k((grid_x, len(s)), (256,), (_table(s), _table(d), sizes, *extra))
+        k((grid_x, len(s)), (256,), (pointer_table(s), pointer_table(d), sizes, *extra))
 
 
 def _launch_blocks(name: str, source: str, srcs: Sequence[Any], dsts: Sequence[Any], counts: Sequence[int], *,
@@ -179,9 +181,9 @@ def _launch_blocks(name: str, source: str, srcs: Sequence[Any], dsts: Sequence[A
 
     if not srcs:
         return
-    k = _kernel(name, source)
+    k = kernel(name, source)
     n = cupy.asarray(np.array(counts, dtype=np.int64))
-    k((len(srcs),), (threads,), (_table(srcs), _table(dsts), n))
+    k((len(srcs),), (threads,), (pointer_table(srcs), pointer_table(dsts), n))
 
 
 def _launch_threads(name: str, source: str, srcs: Sequence[Any], dsts: Sequence[Any], counts: Sequence[int]
@@ -191,9 +193,9 @@ def _launch_threads(name: str, source: str, srcs: Sequence[Any], dsts: Sequence[
 
     if not srcs:
         return
-    k = _kernel(name, source)
+    k = kernel(name, source)
     n = cupy.asarray(np.array(counts, dtype=np.int64))
-    k((-(-len(srcs) // 64),), (64,), (_table(srcs), _table(dsts), n, np.int64(len(srcs))))
+    k((-(-len(srcs) // 64),), (64,), (pointer_table(srcs), pointer_table(dsts), n, np.int64(len(srcs))))
 
 
 # -- kernel sources -------------------------------------------------------------------------

@@ -49,7 +49,7 @@ import numpy as np
 
 from gpulazy.spec import Codec
 
-__all__ = ["supported", "decode", "Decoded", "ALGORITHMS"]
+__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit"]
 
 #: Codec id -> (nvCOMP algorithm, framing). TIFF's codecs through imagecodecs share framings.
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -190,7 +190,7 @@ def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cup
     batch = nvcomp.as_arrays(src, stream)
     try:
         if algorithm not in _NO_CALLER_OUTPUT:
-            buf, views = filters._outputs(want, max(align, _OUT_ALIGN))
+            buf, views = filters.carve(want, max(align, _OUT_ALIGN))
             try:
                 dst = nvcomp.as_arrays(buf, [v.data.ptr - buf.data.ptr for v in views], want, stream)
                 res = codec.decode(batch, out=dst)
@@ -304,13 +304,13 @@ def _walk_zstd(pieces: Sequence[Any], spans: list, heads: list[bytes], result: D
 
     layout = [zstd_header(heads[i]) for i, _, _ in spans]
     src = [pieces[i] for i, _, _ in spans]
-    k = filters._kernel("zstd_walk", _ZSTD_WALK)
+    k = filters.kernel("zstd_walk", _ZSTD_WALK)
     n = len(src)
     sizes = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
     starts = cupy.asarray(np.array([a for a, _ in layout], dtype=np.int64))
     trailers = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
     ok = cupy.zeros(n, dtype=np.int32)
-    k((-(-n // 64),), (64,), (filters._table(src), sizes, starts, trailers, ok, np.int64(n)))
+    k((-(-n // 64),), (64,), (filters.pointer_table(src), sizes, starts, trailers, ok, np.int64(n)))
     fits = ok.get()
     keep = []
     for (i, a, b), good in zip(spans, fits):

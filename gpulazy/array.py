@@ -377,8 +377,10 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
     Cache hits are copied from the cache (``cache.read_into``); misses are read straight
     into their slice of the result (not inserted in the cache) when that slice is
     contiguous in the chunk's element order, else into a small temporary and copied.
-    All reads are submitted before any is waited on. The first error is raised after
-    every submitted read has settled, so nothing writes into a dropped buffer.
+    Chunks of stored pieces (compressed, tiled) are decoded in batches of about 256 MiB
+    of stored bytes straight into their slices, the next batch's reads in flight while
+    one decodes. Other reads are all submitted before any is waited on. The first error is
+    raised after every submitted read has settled, so nothing writes into a dropped buffer.
     """
     from gpulazy.io import decode, submit_chunk
 
@@ -396,6 +398,7 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
     temp_limit = max(2 * int(config.get("chunk_size")), 256 << 20)
     temp_bytes = 0
     errors: list[BaseException] = []
+    batches = _AssembledBatches(dev, errors)
 
     def settle(entry) -> int:
         future, buf, spec, target = entry
@@ -423,6 +426,9 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
             except BaseException as e:
                 errors.append(e)
                 break
+            if spec.is_assembled:  # decoded a batch at a time, many chunks' pieces per codec call
+                batches.add(future, buf, spec, view)
+                continue
             if flat is not None:
                 pending.append((future, buf, spec, None))
                 continue
@@ -430,12 +436,60 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
             temp_bytes += spec.nbytes
             while temp_bytes > temp_limit and pending:  # bound the temporaries in flight
                 temp_bytes -= settle(pending.popleft())
+        batches.finish()
         while pending:
             settle(pending.popleft())
         if errors:
             raise errors[0]
         dev.synchronize()
     return out
+
+
+class _AssembledBatches:
+    """Stored-piece chunks of ``read_whole`` decoded in batches of about ``BATCH`` stored bytes.
+
+    Batch n is decoded only once the reads of batch n+1 are submitted, so reading and
+    decoding overlap; at most two batches of stored bytes are held at a time.
+    """
+
+    BATCH = 256 << 20
+
+    def __init__(self, dev: Device, errors: list[BaseException]):
+        self.dev, self.errors = dev, errors
+        self.filling: list[tuple] = []
+        self.filling_bytes = 0
+        self.waiting: list[tuple] = []  # the previous batch: read, not yet decoded
+
+    def add(self, future: Any, buf: Any, spec: ChunkSpec, view: Any) -> None:
+        self.filling.append((future, buf, spec, view))
+        self.filling_bytes += spec.nbytes
+        if self.filling_bytes >= self.BATCH:
+            self._decode(self.waiting)
+            self.waiting, self.filling, self.filling_bytes = self.filling, [], 0
+
+    def finish(self) -> None:
+        self._decode(self.waiting)
+        self._decode(self.filling)
+        self.waiting, self.filling = [], []
+
+    def _decode(self, batch: list[tuple]) -> None:
+        from gpulazy.codecs import assemble_batch
+
+        for future, _, _, _ in batch:  # every read settles before anything is raised
+            try:
+                future.result()
+            except BaseException as e:
+                self.errors.append(e)
+        if self.errors or not batch:
+            return
+        outs = [v if v.dtype == s.out_dtype and v.shape == tuple(s.shape) else None for _, _, s, v in batch]
+        try:
+            arrays = assemble_batch([b for _, b, _, _ in batch], [s for _, _, s, _ in batch], self.dev, outs)
+            for (_, _, _, view), arr, given in zip(batch, arrays, outs):
+                if given is None:
+                    view[...] = arr
+        except BaseException as e:
+            self.errors.append(e)
 
 
 def _byte_view(view: Any, order: str) -> Any:

@@ -1,6 +1,7 @@
 """The ``gpulazy`` command: ``info``, ``bench`` and ``demo``.
 
-``gpulazy info`` says which versions, devices and backend it found and why;
+``gpulazy info`` says which versions, devices and backend it found and why (``gpulazy info
+PATH``: what a file holds, its codec and whether it decodes on the GPU);
 ``gpulazy bench`` measures this machine's ways of reading files onto a device side by
 side; ``gpulazy demo`` runs the main job on a generated volume. Errors print one line on
 stderr and exit with status 2 (``--debug`` shows the traceback).
@@ -26,7 +27,7 @@ import numpy as np
 from gpulazy import _bench, config
 from gpulazy.device import Device, get_device, gpu_count, gpu_unavailable_reason
 
-__all__ = ["main", "build_parser", "collect_info"]
+__all__ = ["main", "build_parser", "collect_info", "describe_index"]
 
 PACKAGES = ["numpy", "dask", "distributed", "cupy", "kvikio", "torch", "tqdm"]
 EXIT_ERROR = 2
@@ -129,7 +130,46 @@ def format_info(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def describe_index(idx: Any, device: str | None = None) -> dict[str, Any]:
+    """What ``gpulazy info PATH`` says about an indexed file: geometry, storage, codec, where it decodes."""
+    from gpulazy.codecs import decoded_on
+
+    dev = get_device(device)
+    specs = list(idx.specs.values())
+    codec = next((s.codec for s in specs if s.codec), None)
+    tiles = [t for s in specs for t in s.tiles]
+    stored = len(tiles) if tiles else len(specs)
+    missing = sum(t.range is None for t in tiles)
+    ids = "+".join(c.id for c in codec or ())
+    return {"paths": list(idx.paths), "layout": idx.layout, "shape": list(idx.shape), "dtype": str(idx.dtype),
+            "chunks": [c[0] if c else 0 for c in idx.chunks], "dask_chunks": len(specs),
+            "stored_chunk_shape": idx.attrs.get("stored_chunks"), "stored_chunks": stored - missing,
+            "missing_chunks": missing, "codec": str(idx.attrs.get("codec") or ids or "none"),
+            "decodes_on": decoded_on(codec, dev), "device": dev.name}
+
+
+def format_description(d: dict[str, Any]) -> str:
+    where = {"gpu": f"decodes on the GPU ({d['device']})", "none": "stored as is, nothing to decode",
+             "host": f"decodes on the host, then copied to {d['device']}" if d["device"] != "cpu"
+             else "decodes on the host"}[d["decodes_on"]]
+    first = d["paths"][0] if d["paths"] else "?"
+    more = f" (+{len(d['paths']) - 1} more files)" if len(d["paths"]) > 1 else ""
+    stored = f"{d['stored_chunks']} stored chunks" + (f", {d['missing_chunks']} missing (read as the fill value)"
+                                                       if d["missing_chunks"] else "")
+    if d["stored_chunk_shape"]:
+        stored += f" of {tuple(d['stored_chunk_shape'])}"
+    return "\n".join([f"{first}{more}", f"layout: {d['layout']}", f"shape: {tuple(d['shape'])}  dtype: {d['dtype']}",
+                      f"chunks: {tuple(d['chunks'])} ({d['dask_chunks']} dask chunks); {stored}",
+                      f"codec: {d['codec']}; {where}"])
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    if getattr(args, "path", None):
+        from gpulazy import layouts
+
+        d = describe_index(layouts.index(args.path), args.device)
+        print(json.dumps(d, indent=2, default=str) if args.json else format_description(d))
+        return 0
     info = collect_info(args.device)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -335,7 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True, metavar="{info,bench,demo}")
 
-    info = sub.add_parser("info", parents=[common], help="versions, devices, backend and GDS status, config")
+    info = sub.add_parser("info", parents=[common], help="versions, devices, backend and GDS status, config; "
+                          "or, given a PATH, what that file holds and whether it decodes on the GPU")
+    info.add_argument("path", nargs="?", help="a file, folder or store to describe (layout, shape, dtype, chunks, "
+                      "codec, where it decodes)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--device", help="device to report on (default: a GPU if usable, else cpu)")
     info.set_defaults(func=cmd_info)

@@ -60,6 +60,17 @@ def _cache_capacity(value: Any) -> str | int | bool:
     return parse_bytes(value)
 
 
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"expected true or false, got {value!r}")
+
+
 def _default_threads() -> int:
     # Reads wait on the page cache or the disk more than on a core: on a 16-core H100
     # host KvikIO moved 4 GiB at 44.6 GB/s with 16 threads and 46.9 GB/s with 32.
@@ -75,6 +86,8 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
     "chunk_size": (lambda: 128 << 20, parse_bytes, "target bytes of a default chunk"),
     "cache": (lambda: "25%", _cache_capacity, "capacity of the default device cache ('25%' of free memory, '8 GiB', False)"),
     "prefetch_depth": (lambda: 8, _positive_int, "how many chunk reads the prefetcher runs ahead"),
+    "gpu_decode": (lambda: True, _flag, "decode compressed chunks on the GPU where nvCOMP/CuPy can (False: on the "
+                   "host, e.g. for files you do not trust: nvCOMP assumes valid input)"),
 }
 
 _lock = threading.RLock()

@@ -1,7 +1,8 @@
 """Thread-safe read counters and a rolling throughput window.
 
 The one source every display reads (dashboard, napari dock, CLI, bench). Backends call
-``record_read`` once per completed read; readers call ``snapshot()`` from any thread.
+``record_read`` once per completed read, ``gpulazy.codecs`` calls ``record_decode`` once per
+decoded batch and step; readers call ``snapshot()`` from any thread.
 
 >>> import gpulazy
 >>> s = gpulazy.stats()            # the process-wide Stats
@@ -40,6 +41,21 @@ class _BackendTotals:
     modes: collections.Counter = field(default_factory=collections.Counter)
 
 
+@dataclass
+class _DecodeTotals:
+    bytes: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+        self.calls += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "seconds": self.seconds, "calls": self.calls}
+
+
 class Stats:
     """Counters of reads: totals, per backend, and recent events for throughput.
 
@@ -61,6 +77,7 @@ class Stats:
             self._totals: dict[str, _BackendTotals] = {}
             self._errors = 0
             self._oom: dict[str, int] = {}
+            self._decodes: dict[tuple[str, str], _DecodeTotals] = {}
             self._started = time.monotonic()
 
     def record_read(self, *, nbytes: int, seconds: float, backend: str, mode: str, device: str) -> None:
@@ -75,6 +92,12 @@ class Stats:
             t.reads += 1
             t.seconds += event.seconds
             t.modes[mode] += 1
+
+    def record_decode(self, *, nbytes: int, seconds: float, codec: str, where: str, device: str) -> None:
+        """Count one batch decoded by ``codec`` (an id, or ids joined by ``+``) on ``where``
+        (``"gpu"`` or ``"host"``) for ``device``: ``nbytes`` decoded bytes in ``seconds``."""
+        with self._lock:
+            self._decodes.setdefault((codec, where), _DecodeTotals()).add(int(nbytes), float(seconds))
 
     def record_error(self) -> None:
         with self._lock:
@@ -120,6 +143,7 @@ class Stats:
             last = self._events[-1] if self._events else None
             errors = self._errors
             oom = dict(self._oom)
+            decodes = {k: v.as_dict() for k, v in self._decodes.items()}
         return {
             "oom_recoveries": oom,
             "bytes_read": sum(b["bytes"] for b in by_backend.values()),
@@ -131,6 +155,7 @@ class Stats:
             "last_backend": last.backend if last else None,
             "last_mode": last.mode if last else None,
             "last_device": last.device if last else None,
+            **_decode_figures(decodes),
         }
 
     def plot(self, ax: Any = None, bin_seconds: float = 0.5) -> Any:
@@ -151,6 +176,20 @@ class Stats:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         return ax
+
+
+def _decode_figures(decodes: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """``decoded_bytes``/``decode_seconds`` in all, per place (``"gpu"``/``"host"``) and per codec."""
+    by_codec: dict[str, dict[str, dict[str, Any]]] = {}
+    by_place: dict[str, dict[str, Any]] = {}
+    for (codec, where), t in sorted(decodes.items()):
+        by_codec.setdefault(codec, {})[where] = dict(t)
+        p = by_place.setdefault(where, {"bytes": 0, "seconds": 0.0, "calls": 0})
+        for k in p:
+            p[k] += t[k]
+    return {"decoded_bytes": sum(t["bytes"] for t in decodes.values()),
+            "decode_seconds": sum(t["seconds"] for t in decodes.values()),
+            "decode_by_codec": by_codec, "decode_by_place": by_place}
 
 
 _default = Stats()

@@ -34,26 +34,52 @@ from gpulazy.device import Device
 from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec, Tile
 
-__all__ = ["assemble", "decode_pieces", "check_supported", "gpu_codecs"]
+__all__ = ["assemble", "assemble_batch", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
 
 
 def assemble(buf: Any, spec: ChunkSpec, device: Device) -> Any:
     """The chunk's array (native byte order, ``spec.shape``) from its stored bytes ``buf``."""
-    dt = np.dtype(spec.dtype)
-    segments = spec.tile_segments() if spec.tiles else [(_whole(spec), 0, spec.nbytes)]
-    expected = [math.prod(t.shape) * dt.itemsize for t, _, _ in segments]
+    return assemble_batch([buf], [spec], device)[0]
+
+
+def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Device,
+                   outs: Sequence[Any] | None = None) -> list[Any]:
+    """Several chunks from their stored bytes, each pipeline step run once over all their pieces.
+
+    ``outs[i]``, when given (an array of ``specs[i].shape`` and native dtype on ``device``),
+    receives chunk ``i`` in place; otherwise it is allocated. Returns the chunks. Batching
+    across chunks is what lets nvCOMP see many pieces per call.
+    """
+    outs = list(outs) if outs is not None else [None] * len(specs)
+    groups: dict[tuple, list[tuple[int, Tile, int, int]]] = {}
+    for k, spec in enumerate(specs):
+        segments = spec.tile_segments() if spec.tiles else [(_whole(spec), 0, spec.nbytes)]
+        groups.setdefault(tuple(spec.codec or ()), []).extend((k, t, a, n) for t, a, n in segments)
     with device.activate():
-        pieces = decode_pieces([buf[a:a + n] for _, a, n in segments], spec.codec or (), expected, device,
-                               where=[t.range for t, _, _ in segments])
-        out = _allocate(spec, device)
-        for (tile, _, _), raw, want in zip(segments, pieces, expected):
-            if raw.size != want:
-                r = tile.range
-                raise ChunkDecodeError(
-                    f"stored chunk of {r.path!r} at offset {r.offset} ({r.nbytes} bytes) decoded to {raw.size} "
-                    f"bytes, expected {want} (shape {tile.shape} of {dt.str!r}); the file is corrupt or its "
-                    "metadata does not describe it", path=r.path, offset=r.offset, expected=want, got=raw.size)
-            _place(out, _typed(raw, dt, tile, device), tile)
+        results = [_allocate(spec, device) if out is None else _prepare(out, spec) for spec, out in zip(specs, outs)]
+        for codec, members in groups.items():
+            expected = [math.prod(t.shape) * np.dtype(specs[k].dtype).itemsize for k, t, _, _ in members]
+            pieces = decode_pieces([bufs[k][a:a + n] for k, _, a, n in members], codec, expected, device,
+                                   where=[t.range for _, t, _, _ in members])
+            for (k, tile, _, _), raw, want in zip(members, pieces, expected):
+                _check_size(raw, want, tile, np.dtype(specs[k].dtype))
+                _place(results[k], _typed(raw, np.dtype(specs[k].dtype), tile, device), tile)
+    return results
+
+
+def _check_size(raw: Any, want: int, tile: Tile, dt: np.dtype) -> None:
+    if raw.size != want:
+        r = tile.range
+        raise ChunkDecodeError(
+            f"stored chunk of {r.path!r} at offset {r.offset} ({r.nbytes} bytes) decoded to {raw.size} "
+            f"bytes, expected {want} (shape {tile.shape} of {dt.str!r}); the file is corrupt or its "
+            "metadata does not describe it", path=r.path, offset=r.offset, expected=want, got=raw.size)
+
+
+def _prepare(out: Any, spec: ChunkSpec) -> Any:
+    """A caller's output array, pre-filled where no tile will land."""
+    if spec.tiles and not _covered(spec):
+        out[...] = spec.fill_value
     return out
 
 
@@ -105,4 +131,6 @@ def decoded_on(codec: Sequence[Any] | None, device: Device) -> str:
         return "none"
     if not device.is_gpu:
         return "host"
-    return "gpu" if all(c.id in gpu_codecs() for c in codec) else "host"
+    from gpulazy.codecs.gpu import runs_on_gpu
+
+    return "gpu" if all(runs_on_gpu(c) for c in codec) else "host"

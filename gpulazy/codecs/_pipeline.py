@@ -18,12 +18,10 @@ __all__ = ["decode_pieces", "check_supported", "gpu_codecs"]
 
 
 def gpu_codecs() -> frozenset[str]:
-    """Codec ids that decode on the GPU here (empty without nvCOMP/CuPy)."""
-    try:
-        from gpulazy.codecs import nvcomp
-    except ImportError:
-        return frozenset()
-    return nvcomp.supported()
+    """Codec ids that decode on the GPU here: nvCOMP's and the CuPy filters' (empty without a GPU)."""
+    from gpulazy.codecs import filters, nvcomp
+
+    return nvcomp.supported() | filters.supported()
 
 
 def check_supported(codec: Sequence[Codec] | None, path: str) -> None:
@@ -57,7 +55,8 @@ def _pad(where: Sequence[Any], n: int) -> list[Any]:
     return list(where) + [None] * (n - len(where))
 
 
-def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int, where: ByteRange | None) -> np.ndarray:
+def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int | None, where: ByteRange | None
+              ) -> np.ndarray:
     try:
         return host.decode(piece, codec, expected)
     except ChunkDecodeError:
@@ -84,7 +83,7 @@ def warn_host_fallback(codec: Codec, device: Device) -> None:
 @functools.cache
 def _warn_once(codec_id: str, device: str) -> None:
     warnings.warn(f"codec {codec_id!r} has no GPU decoder here: its chunks decode on the host and are copied "
-                  f"to {device} (slower); install nvidia-nvcomp-cu13 for zstd/lz4/deflate on the GPU",
+                  f"to {device} (slower); nvCOMP (nvidia-nvcomp-cu13) decodes zstd, lz4, zlib and gzip on the GPU",
                   PerformanceWarning, stacklevel=4)
 
 

@@ -1,12 +1,22 @@
-"""Decoding for chunks that live on a GPU.
+"""Decoding for chunks that live on a GPU: one batch per pipeline step.
 
-For now every step decodes on the host and the result is copied up (one
-``PerformanceWarning`` per codec); nvCOMP batches and CuPy filters replace that step by
-step (``gpulazy.codecs.nvcomp``).
+Every step of a pipeline runs over all pieces of a batch at once: compressors nvCOMP
+knows in one nvCOMP call (``gpulazy.codecs.nvcomp``), shuffle/delta/crc32c in one
+CuPy kernel launch (``gpulazy.codecs.filters``). A step with no GPU implementation
+runs on the host for those pieces: one copy down, numcodecs/imagecodecs on a thread
+pool, one copy up, with one ``PerformanceWarning`` per codec. Pieces nvCOMP does not
+take (unusual framing) or decodes to the wrong size go through the host too, which
+decodes them or raises the ``ChunkDecodeError`` that names the file and offset.
+Where each step ran is recorded in ``gpulazy.stats()`` (``decode`` figures).
+``gpulazy.config.set(gpu_decode=False)`` decodes every step on the host (for files you
+do not trust: nvCOMP assumes valid input, see ``gpulazy.codecs.nvcomp``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
 import time
 from typing import Any, Sequence
 
@@ -15,20 +25,145 @@ import numpy as np
 from gpulazy.device import Device
 from gpulazy.spec import ByteRange, Codec
 
-__all__ = ["decode_pieces"]
+__all__ = ["decode_pieces", "runs_on_gpu", "step_sizes"]
+
+#: Steps whose output has as many bytes as their input.
+_SIZE_PRESERVING = frozenset({"shuffle", "tiff_predictor", "predictor", "bitshuffle"})
+#: Checksums appended to the stored bytes: the step strips this many.
+_TRAILERS = {"crc32c": 4, "fletcher32": 4, "adler32": 4, "crc32": 4, "jenkins_lookup3": 4}
+
+
+def runs_on_gpu(c: Codec) -> bool:
+    """Whether step ``c`` decodes on the GPU here (never with ``config gpu_decode=False``)."""
+    from gpulazy import config
+    from gpulazy.codecs import filters, nvcomp
+
+    return bool(config.get("gpu_decode")) and (nvcomp.handles(c) or filters.handles(c))
+
+
+def step_sizes(codec: Sequence[Codec], expected: Sequence[int]) -> list[list[int] | None]:
+    """Each step's output size per piece, worked back from the final ``expected`` sizes
+    (``None`` where a later step's input size cannot be known, e.g. behind a compressor)."""
+    sizes: list[list[int] | None] = [None] * len(codec)
+    cur: list[int] | None = [int(n) for n in expected]
+    for s in range(len(codec) - 1, -1, -1):
+        sizes[s] = cur
+        cur = None if cur is None else _input_sizes(codec[s], cur)
+    return sizes
+
+
+def _input_sizes(c: Codec, out: list[int]) -> list[int] | None:
+    if c.id in _SIZE_PRESERVING:
+        return out
+    if c.id in _TRAILERS:
+        return [n + _TRAILERS[c.id] for n in out]
+    if c.id == "delta":
+        try:
+            dt = np.dtype(c.get("dtype"))
+            at = np.dtype(c.get("astype") or dt)
+        except TypeError:
+            return None
+        return [n // dt.itemsize * at.itemsize for n in out]
+    return None
 
 
 def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Sequence[int], device: Device, *,
                   where: Sequence[ByteRange | None] = ()) -> list[Any]:
-    from gpulazy.codecs._pipeline import _host_one, _pad, _record, warn_host_fallback
+    """Each piece (1-D CuPy uint8) decoded through ``codec`` on ``device``, a batch per step."""
+    from gpulazy.codecs._pipeline import _pad
 
-    import cupy
+    from gpulazy import config
+    from gpulazy.codecs._pipeline import _record
+
+    where = _pad(where, len(pieces))
+    current = [p.reshape(-1).view(np.uint8) for p in pieces]
+    if not config.get("gpu_decode"):  # asked for: every step on the host, no warning
+        started = time.perf_counter()
+        current = _on_host(current, codec, list(expected), where)
+        _record(sum(int(p.size) for p in current), started, codec, "host", device)
+        return current
+    for c, sizes in zip(codec, step_sizes(codec, expected)):
+        current = _step(current, c, sizes, device, where)
+    return current
+
+
+def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> list[Any]:
+    from gpulazy.codecs import filters, nvcomp
+    from gpulazy.codecs._pipeline import _record, warn_host_fallback
 
     started = time.perf_counter()
-    warn_host_fallback(codec[0], device)
-    out = []
-    for p, n, w in zip(pieces, expected, _pad(where, len(pieces))):
-        host = _host_one(cupy.asnumpy(p), codec, n, w)
-        out.append(cupy.asarray(np.ascontiguousarray(host)))
-    _record(sum(expected), started, codec, "host", device)
+    if sizes is not None and nvcomp.handles(c):
+        res = nvcomp.decode(pieces, c, sizes, device.index)
+        out = list(res.out)
+        on_gpu = [i for i in range(len(pieces)) if out[i] is not None]
+        if on_gpu:
+            _record(sum(sizes[i] for i in on_gpu), started, (c,), "gpu", device)
+        if res.host:  # framing nvCOMP does not take, or a result that failed a check
+            started = time.perf_counter()
+            for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], c, [sizes[i] for i in res.host],
+                                                 [where[i] for i in res.host])):
+                out[i] = arr
+            _record(sum(sizes[i] for i in res.host), started, (c,), "host", device)
+        return out
+    if filters.handles(c):
+        try:
+            out = filters.decode(pieces, c)
+        except ValueError:  # a piece the kernel cannot take (e.g. a ragged delta): the host says why
+            pass
+        else:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()  # so the recorded time is the kernel's, not its launch
+            _record(sum(int(p.size) for p in out), started, (c,), "gpu", device)
+            return out
+    warn_host_fallback(c, device)
+    out = _on_host(pieces, c, sizes, where)
+    _record(sum(int(p.size) for p in out), started, (c,), "host", device)
     return out
+
+
+def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]
+             ) -> list[Any]:
+    """Step (or pipeline) ``c`` on the host: one copy down, decode on a thread pool, one copy up."""
+    from gpulazy.codecs._pipeline import _host_one
+
+    if not pieces:
+        return []
+    down = _download(pieces)
+    sz = sizes if sizes is not None else [None] * len(pieces)
+    jobs = [(p, n, w) for p, n, w in zip(down, sz, where)]
+    steps = c if isinstance(c, tuple) else (c,)
+    if len(jobs) == 1:
+        decoded = [_host_one(down[0], steps, sz[0], where[0])]
+    else:
+        decoded = list(_pool().map(lambda j: _host_one(j[0], steps, j[1], j[2]), jobs))
+    return _upload(decoded)
+
+
+def _download(pieces: list[Any]) -> list[np.ndarray]:
+    import cupy
+
+    lengths = [int(p.size) for p in pieces]
+    host = cupy.concatenate(pieces).get() if sum(lengths) else np.empty(0, np.uint8)
+    cuts = np.cumsum([0, *lengths])
+    return [host[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _upload(arrays: list[np.ndarray]) -> list[Any]:
+    """One copy up; each piece starts 256-byte aligned, so any dtype can view it."""
+    import cupy
+
+    flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    offsets = np.cumsum([0, *(-(-a.size // 256) * 256 for a in flat)])
+    staged = np.empty(max(int(offsets[-1]), 1), np.uint8)
+    for a, at in zip(flat, offsets):
+        staged[at:at + a.size] = a
+    dev = cupy.asarray(staged)
+    return [dev[at:at + a.size] for a, at in zip(flat, offsets)]
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    # numcodecs and imagecodecs release the GIL while they decode: threads help.
+    return concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1),
+                                                 thread_name_prefix="gpulazy-host-decode")

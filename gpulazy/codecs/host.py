@@ -27,8 +27,12 @@ SPECIAL: dict[str, Callable[[np.ndarray, Codec, int], np.ndarray]] = {
 }
 
 
-def decode(data: Any, codec: Sequence[Codec], expected: int) -> np.ndarray:
-    """``data`` (uint8, host) through every step of ``codec``; a 1-D uint8 array."""
+def decode(data: Any, codec: Sequence[Codec], expected: int | None) -> np.ndarray:
+    """``data`` (uint8, host) through every step of ``codec``; a 1-D uint8 array.
+
+    ``expected``: the decoded size in bytes, or ``None`` when unknown (no output buffer is
+    given to the last step then).
+    """
     out = np.asarray(data).reshape(-1).view(np.uint8)
     for i, c in enumerate(codec):
         last = i == len(codec) - 1
@@ -36,7 +40,7 @@ def decode(data: Any, codec: Sequence[Codec], expected: int) -> np.ndarray:
         if special is not None:
             out = special(out, c, expected)
         else:
-            dec = _build(c).decode(out, out=np.empty(expected, np.uint8)) if (last and _takes_out(c)) \
+            dec = _build(c).decode(out, out=np.empty(expected, np.uint8)) if (last and expected is not None and _takes_out(c)) \
                 else _build(c).decode(out)
             out = _as_bytes(dec)
     return out

@@ -1,0 +1,278 @@
+"""Decode throughput: gpulazy's batched GPU decode against numcodecs on the host.
+
+    python benchmarks/bench_codecs.py [--chunks 256] [--repeat 5] [--json PATH]
+    python benchmarks/bench_codecs.py --probe [--json PATH]
+
+Makes ``--chunks`` chunks of 1024 × 1024 uint16 (2 MiB each) of realistic data (a smooth
+volume plus noise), encodes them with zstd-1, lz4, zlib-1 and zstd-1 + shuffle, and
+times decoding all of them
+
+- on cuda:0 through ``gpulazy.codecs.decode_pieces`` (compressed pieces already in device
+  memory, back to back in one buffer as a read leaves them; nvCOMP + CuPy kernels);
+- with nvCOMP called directly on the bare streams (what gpulazy adds is the framing
+  checks, the size checks and the output layout);
+- with numcodecs on the host, on one thread and on a pool of ``os.cpu_count()`` threads.
+
+Prints GB/s of decoded output (best of ``--repeat``), the ratios and each codec's
+compression ratio. ``--probe`` prints instead what nvCOMP reports for a corrupt or
+truncated piece and for an over- or undersized output (the facts ``gpulazy.codecs.nvcomp``
+relies on), each case in a process of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+SIDE = 1024
+
+
+def make_chunks(n: int, seed: int = 0) -> list[np.ndarray]:
+    """``n`` planes of a smooth volume (sums of low-frequency waves) plus Gaussian noise, uint16."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:SIDE, 0:SIDE].astype(np.float32) / SIDE
+    base = 8000 + 3000 * np.sin(6.0 * x) * np.cos(4.0 * y) + 2000 * np.sin(11.0 * (x + y))
+
+    def plane(i: int) -> np.ndarray:
+        r = np.random.default_rng(seed + i)
+        z = 1500 * np.sin(i / 17.0)
+        return np.clip(base + z + r.normal(0, 10, base.shape), 0, 65535).astype(np.uint16)
+
+    del rng
+    with concurrent.futures.ThreadPoolExecutor() as pool:
+        return list(pool.map(plane, range(n)))
+
+
+def codecs() -> dict[str, tuple]:
+    from gpulazy.spec import Codec
+
+    zstd = Codec.of("zstd", level=1)
+    return {
+        "zstd-1": (zstd,),
+        "lz4": (Codec.of("lz4", acceleration=1),),
+        "zlib-1": (Codec.of("zlib", level=1),),
+        "zstd-1+shuffle": (zstd, Codec.of("shuffle", elementsize=2)),
+    }
+
+
+def encode_all(chunks: list[np.ndarray], codec: tuple, pool) -> list[bytes]:
+    import numcodecs
+
+    steps = [numcodecs.get_codec(c.config()) for c in reversed(codec)]
+
+    def enc(a: np.ndarray) -> bytes:
+        buf = a.tobytes()
+        for s in steps:
+            buf = bytes(s.encode(np.frombuffer(buf, "u1")))
+        return buf
+
+    return list(pool.map(enc, chunks))
+
+
+def host_decode(blobs: list[bytes], codec: tuple, nbytes: int, pool=None) -> list[np.ndarray]:
+    from gpulazy.codecs import host
+
+    def dec(b: bytes) -> np.ndarray:
+        return host.decode(np.frombuffer(b, "u1"), codec, nbytes)
+
+    return list(pool.map(dec, blobs)) if pool is not None else [dec(b) for b in blobs]
+
+
+def best(fn, repeat: int, sync=lambda: None) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def on_device(blobs: list[bytes]):
+    """The blobs back to back in one device buffer, and a view of each (as a read leaves them)."""
+    import cupy
+
+    lengths = [len(b) for b in blobs]
+    buf = cupy.asarray(np.frombuffer(b"".join(blobs), "u1"))
+    cuts = np.cumsum([0, *lengths])
+    return buf, [buf[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def nvcomp_direct(pieces, codec, nbytes: int):
+    """Bare streams to nvCOMP in one call (no framing checks, nvCOMP allocates the outputs)."""
+    from nvidia import nvcomp as nv
+
+    from gpulazy.codecs import nvcomp
+
+    from gpulazy.codecs import filters
+
+    algo, framing = nvcomp.ALGORITHMS[codec[0].id]
+    cut = {"lz4-numcodecs": (4, 0), "zlib": (2, 4)}.get(framing, (0, 0))
+    c = nvcomp._codec(algo, 0)
+    # aligned once, outside the timing (Deflate wants 4-byte aligned input; gpulazy's time includes that copy)
+    bare = filters.aligned([p[cut[0]:p.size - cut[1]] for p in pieces], c.get_required_decompression_alignment())
+
+    def run():
+        out = c.decode(nv.as_arrays(bare))
+        assert out.buffer_sizes[0] == nbytes
+
+    return run
+
+
+def run(n: int, repeat: int) -> dict:
+    import cupy
+
+    import gpulazy
+    from gpulazy.codecs import decode_pieces, nvcomp
+
+    dev = gpulazy.get_device("cuda:0")
+    t0 = time.perf_counter()
+    chunks = make_chunks(n)
+    nbytes = chunks[0].nbytes
+    total = nbytes * n
+    print(f"{n} chunks of {SIDE}x{SIDE} uint16 ({total / 2**20:.0f} MiB) made in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    threads = os.cpu_count() or 1
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for name, codec in codecs().items():
+            blobs = encode_all(chunks, codec, pool)
+            stored = sum(len(b) for b in blobs)
+            buf, pieces = on_device(blobs)
+            sync = cupy.cuda.get_current_stream().synchronize
+            out = decode_pieces(pieces, codec, [nbytes] * n, dev)  # warm-up: kernels compile, scratch allocates
+            for i in (0, n // 2, n - 1):
+                assert out[i].get().tobytes() == chunks[i].tobytes(), f"{name}: chunk {i} differs"
+            del out
+            gpulazy.stats().reset()
+            gpu_s = best(lambda: decode_pieces(pieces, codec, [nbytes] * n, dev), repeat, sync)
+            places = {k: sorted(v) for k, v in gpulazy.stats().snapshot()["decode_by_codec"].items()}
+            direct_s = None
+            if len(codec) == 1:
+                direct = nvcomp_direct(pieces, codec, nbytes)
+                direct()
+                direct_s = best(direct, repeat, sync)
+            sub = blobs[: max(16, n // 8)]  # one host thread is slow: time a subset, scale up
+            one_s = best(lambda: host_decode(sub, codec, nbytes), 1) * n / len(sub)
+            host_decode(blobs[:threads], codec, nbytes, pool)
+            pool_s = best(lambda: host_decode(blobs, codec, nbytes, pool), max(1, repeat // 2))
+            row = {"codec": name, "chunks": n, "decoded_bytes": total, "stored_bytes": stored,
+                   "compression_ratio": total / stored, "gpulazy_gpu_gbps": total / gpu_s / 1e9,
+                   "nvcomp_direct_gbps": total / direct_s / 1e9 if direct_s else None,
+                   "host_1thread_gbps": total / one_s / 1e9, f"host_{threads}threads_gbps": total / pool_s / 1e9,
+                   "x_vs_host_1thread": one_s / gpu_s, "x_vs_host_pool": pool_s / gpu_s, "steps_ran_on": places,
+                   "nvcomp_caller_outputs_refused": dict(nvcomp._NO_CALLER_OUTPUT)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del buf, pieces
+            cupy.get_default_memory_pool().free_all_blocks()
+    return {"device": dev.name, "gpu": _gpu_name(), "threads": threads, "rows": rows}
+
+
+def _gpu_name() -> str:
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def table(doc: dict) -> str:
+    t = doc["threads"]
+    head = (f"{'codec':<16}{'ratio':>7}{'gpulazy GPU':>13}{'nvCOMP direct':>15}{'host 1 thr':>12}"
+            f"{f'host {t} thr':>13}{'x 1 thr':>9}{'x pool':>8}")
+    lines = [f"decode throughput, GB/s of decoded output ({doc['gpu']})", head]
+    for r in doc["rows"]:
+        direct = f"{r['nvcomp_direct_gbps']:.1f}" if r["nvcomp_direct_gbps"] else "-"
+        lines.append(f"{r['codec']:<16}{r['compression_ratio']:>7.2f}{r['gpulazy_gpu_gbps']:>13.1f}{direct:>15}"
+                     f"{r['host_1thread_gbps']:>12.2f}{r[f'host_{t}threads_gbps']:>13.2f}"
+                     f"{r['x_vs_host_1thread']:>9.0f}{r['x_vs_host_pool']:>8.1f}")
+    return "\n".join(lines)
+
+
+PROBE_CASES = ("exact", "oversized_output", "undersized_output", "garbled_payload", "truncated")
+
+
+def probe() -> dict:
+    """What nvCOMP's Python API reports for the cases gpulazy's checks rely on.
+
+    Each case runs in a process of its own: a decoder that faults takes the CUDA context
+    (and the process) down with it, which is itself the answer.
+    """
+    import subprocess
+
+    facts: dict = {}
+    for algo in ("Zstd", "LZ4", "Deflate"):
+        for case in PROBE_CASES:
+            try:
+                r = subprocess.run([sys.executable, __file__, "--probe-case", algo, case], capture_output=True,
+                                   text=True, timeout=90)
+                lines = r.stdout.strip().splitlines()
+                got = json.loads(lines[-1]) if r.returncode == 0 and lines else {
+                    "process_failed": r.returncode, "stderr": r.stderr.strip()[-300:]}
+            except subprocess.TimeoutExpired:
+                got = {"timed_out": True}
+            facts.setdefault(algo, {})[case] = got
+            print(algo, case, json.dumps(got), flush=True)
+    return facts
+
+
+def probe_case(algo: str, case: str) -> dict:
+    import cupy
+    import numcodecs
+    from nvidia import nvcomp as nv
+
+    from gpulazy.codecs import nvcomp
+
+    data = make_chunks(1)[0].tobytes()[: 1 << 18]
+    enc, cut = {"Zstd": (numcodecs.Zstd(1), (0, 0)), "LZ4": (numcodecs.LZ4(), (4, 0)),
+                "Deflate": (numcodecs.Zlib(1), (2, 4))}[algo]
+    blob = np.frombuffer(bytes(enc.encode(data)), "u1")
+    bare = cupy.asarray(blob[cut[0]:blob.size - cut[1]])
+    c = nvcomp._codec(algo, 0)
+    capacity = {"oversized_output": len(data) + 4096, "undersized_output": len(data) - 4096}.get(case, len(data))
+    if case == "garbled_payload":
+        bare[16:-16] = cupy.asarray(np.random.default_rng(0).integers(0, 256, bare.size - 32, dtype=np.uint8))
+    if case == "truncated":
+        bare = bare[: bare.size // 2]
+    out = cupy.zeros(capacity, np.uint8)
+    f: dict = {"alignment": int(c.get_required_decompression_alignment())}
+    try:
+        res = c.decode(nv.as_arrays([bare]), out=nv.as_arrays(out, [0], [capacity]))
+        f["sizes"] = list(res.buffer_sizes)
+        cupy.cuda.runtime.deviceSynchronize()
+        f["bytes_equal"] = out[: len(data)].get().tobytes() == data if capacity >= len(data) else None
+    except Exception as e:
+        f["error"] = f"{type(e).__name__}: {e}"[:300]
+    return f
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--chunks", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--probe", action="store_true", help="only print nvCOMP's reports for corrupt pieces")
+    p.add_argument("--probe-case", nargs=2, metavar=("ALGO", "CASE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.probe_case:
+        print(json.dumps(probe_case(*args.probe_case)))
+        return 0
+    if args.probe:
+        doc = {"probe": probe()}
+    else:
+        doc = run(args.chunks, args.repeat)
+        print(table(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

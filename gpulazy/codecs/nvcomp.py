@@ -1,0 +1,391 @@
+"""Batched GPU decompression with nvCOMP's Python API (``nvidia-nvcomp-cu13``).
+
+One ``decode`` call decodes every piece of a batch with one nvCOMP call per algorithm.
+Each format's framing is handled here, on the host, from a few header and trailer bytes
+of every piece fetched in one copy: nvCOMP's ``RAW`` bitstreams are the bare
+algorithm, so
+
+- ``zstd``: standard frames decode as they are (the frame header's content size, when
+  present, is checked against the expected size first);
+- ``lz4`` (numcodecs): a 4-byte little-endian size prefix, then one LZ4 block;
+- ``zlib``: a 2-byte header and a 4-byte Adler-32 trailer around raw Deflate;
+- ``gzip``: a 10-byte header with optional FEXTRA/FNAME/FCOMMENT/FHCRC fields, raw
+  Deflate, and an 8-byte CRC-32 + size trailer (the size is checked).
+
+A piece whose framing is not the plain form (a zstd dictionary, a preset zlib
+dictionary, a gzip header longer than what was fetched, a size field that disagrees,
+a zstd frame whose block headers do not end exactly at the piece's end) is not sent to
+nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on the host, which
+either decodes it or raises the error that names the file. The same goes for pieces
+nvCOMP decodes to a size other than the expected one, and for a whole batch nvCOMP
+refuses.
+
+What nvCOMP 6.0 does with bad input, probed on an H100 (``benchmarks/bench_codecs.py
+--probe``): Deflate reports the bytes it actually decoded (a garbled stream 0, a
+truncated one fewer), so the size check catches both; LZ4's size pass rejects a garbled
+piece before decoding (the output would not fit); zstd and LZ4 read past a piece's stated
+end (a stream cut in half still decoded in full from the bytes behind it), hence the zstd
+block walk; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
+its zstd and Deflate decoders assume valid input). nvCOMP verifies no zstd content
+checksum, Adler-32 or gzip CRC-32. So a payload corrupted *inside* a zstd block, or an LZ4
+stream garbled so that it still adds up to the expected size, is not caught on the GPU
+and can take the process's GPU context down: read files you do not trust with
+``device="cpu"``.
+
+>>> from gpulazy.codecs import nvcomp
+>>> isinstance(nvcomp.supported(), frozenset)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpulazy.spec import Codec
+
+__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit"]
+
+#: Codec id -> (nvCOMP algorithm, framing). TIFF's codecs through imagecodecs share framings.
+ALGORITHMS: dict[str, tuple[str, str]] = {
+    "zstd": ("Zstd", "zstd"),
+    "lz4": ("LZ4", "lz4-numcodecs"),
+    "zlib": ("Deflate", "zlib"),
+    "gzip": ("Deflate", "gzip"),
+    "imagecodecs_zstd": ("Zstd", "zstd"),
+    "imagecodecs_zlib": ("Deflate", "zlib"),
+    "imagecodecs_deflate": ("Deflate", "zlib"),
+}
+
+_HEAD = 64  # header bytes fetched per piece (a gzip header with a long FNAME goes to the host)
+_TAIL = 8
+_OUT_ALIGN = 256  # where each decoded piece starts in the batch's output buffer
+
+
+@functools.cache
+def supported() -> frozenset[str]:
+    """Codec ids nvCOMP decodes on this machine (empty without nvCOMP, CuPy or a GPU). Probed once."""
+    from gpulazy.device import gpu_count
+
+    if gpu_count() == 0:
+        return frozenset()
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except Exception:  # ImportError, or a library that fails to load
+        return frozenset()
+    ok = set()
+    for algo in sorted({a for a, _ in ALGORITHMS.values()}):
+        try:
+            _codec(algo, 0)
+        except Exception:
+            continue
+        ok.update(cid for cid, (a, _) in ALGORITHMS.items() if a == algo)
+    return frozenset(ok)
+
+
+def handles(c: Codec) -> bool:
+    """Whether this codec value (id and parameters) decodes with nvCOMP here."""
+    if c.id not in supported():
+        return False
+    if c.id == "imagecodecs_deflate" and c.get("raw"):
+        return True  # raw Deflate: no framing at all
+    return not (c.id == "imagecodecs_zlib" and c.get("raw"))
+
+
+_local = threading.local()
+
+
+def _codec(algorithm: str, device_index: int) -> Any:
+    # One nvCOMP Codec per thread and device: each owns its stream and scratch memory,
+    # so dask worker threads decode side by side without sharing one.
+    cache = getattr(_local, "codecs", None)
+    if cache is None:
+        cache = _local.codecs = {}
+    key = (algorithm, device_index)
+    if key not in cache:
+        from nvidia import nvcomp
+
+        cache[key] = nvcomp.Codec(algorithm=algorithm, device_id=device_index,
+                                  bitstream_kind=nvcomp.BitstreamKind.RAW)
+    return cache[key]
+
+
+@dataclass
+class Decoded:
+    """What ``decode`` did: ``out[i]`` is piece ``i`` decoded (a CuPy uint8 array) or ``None``
+    when piece ``i`` is in ``host``: it must be decoded on the host (framing nvCOMP does not
+    take, or a result that failed a check). ``why[i]`` says why for those."""
+
+    out: list[Any]
+    host: list[int] = field(default_factory=list)
+    why: dict[int, str] = field(default_factory=dict)
+
+
+def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Decoded:
+    """Decode ``pieces`` (1-D CuPy uint8 arrays) of one codec, each to ``sizes[i]`` bytes, in one batch."""
+    import cupy
+
+    algorithm, framing = ALGORITHMS[codec.id]
+    if codec.id == "imagecodecs_deflate" and codec.get("raw"):
+        framing = "raw"
+    result = Decoded([None] * len(pieces))
+    heads, tails = _ends(pieces)
+    spans: list[tuple[int, int, int]] = []  # (piece, start, stop) of the bare stream
+    for i, (p, n) in enumerate(zip(pieces, sizes)):
+        span, why = _frame(framing, heads[i], tails[i], int(p.size), int(n)) if n > 0 else (None, "empty")
+        if span is None:
+            result.host.append(i)
+            result.why[i] = why
+        else:
+            spans.append((i, *span))
+    if not spans:
+        return result
+    if framing == "zstd" and spans:
+        spans = _walk_zstd(pieces, spans, heads, result)
+        if not spans:
+            return result
+    src = [pieces[i][a:b] for i, a, b in spans]
+    want = [int(sizes[i]) for i, _, _ in spans]
+    views, got, error = _run(algorithm, device_index, src, want, cupy)
+    if error is not None:  # the whole batch refused: let the host find (and name) the bad piece
+        for i, _, _ in spans:
+            result.host.append(i)
+            result.why[i] = error
+        return result
+    for (i, _, _), view, n, w in zip(spans, views, got, want):
+        if n != w:
+            result.host.append(i)
+            result.why[i] = f"nvCOMP {algorithm} decoded {n} bytes, expected {w}"
+        else:
+            result.out[i] = view
+    result.host.sort()
+    return result
+
+
+def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cupy: Any
+         ) -> tuple[list[Any], list[int], str | None]:
+    """Decode ``src`` in one nvCOMP call; ``(views, decoded sizes, batch error or None)``.
+
+    Into one caller-sized output buffer carved per piece (``out=``). nvCOMP first works out
+    every piece's decoded size from its stream and raises ``ValueError`` when one does not
+    fit its slot: that is how a mis-sized or garbled LZ4/Deflate piece shows up, before any
+    byte is written, and the batch then goes to the host. ``buffer_sizes`` are the sizes
+    actually decoded (a truncated Deflate stream reports fewer bytes). Only a build that
+    does not take ``out=`` at all (``TypeError``) gets buffers nvCOMP allocates instead;
+    decoding a refused batch again that way is what faulted the GPU on a garbled LZ4 piece.
+    """
+    from nvidia import nvcomp
+
+    from gpulazy.codecs import filters
+
+    codec = _codec(algorithm, device_index)
+    align = max(1, int(codec.get_required_decompression_alignment()))
+    src = filters.aligned(src, align)
+    stream = cupy.cuda.get_current_stream().ptr
+    batch = nvcomp.as_arrays(src, stream)
+    try:
+        if algorithm not in _NO_CALLER_OUTPUT:
+            buf, views = filters.carve(want, max(align, _OUT_ALIGN))
+            try:
+                dst = nvcomp.as_arrays(buf, [v.data.ptr - buf.data.ptr for v in views], want, stream)
+                res = codec.decode(batch, out=dst)
+            except TypeError as e:  # this build takes no caller outputs
+                _NO_CALLER_OUTPUT[algorithm] = f"{type(e).__name__}: {e}"
+            else:
+                return views, [int(n) for n in res.buffer_sizes], None  # buffer_sizes waits for the decode
+        res = codec.decode(batch)
+        got = [int(n) for n in res.buffer_sizes]
+    except Exception as e:  # a status nvCOMP reports for the batch (a piece too big, corrupt data)
+        return [], [], f"nvCOMP {algorithm} refused the batch: {type(e).__name__}: {e}"
+    return [_view(res, k, cupy) for k in range(len(got))], got, None
+
+
+#: Algorithms whose nvCOMP build refused caller output buffers (and why).
+_NO_CALLER_OUTPUT: dict[str, str] = {}
+
+
+def _view(res: Any, k: int, cupy: Any) -> Any:
+    """Piece ``k`` of an nvCOMP-allocated batch as a CuPy array that keeps the batch alive."""
+    item = res[k]
+    ptr, nbytes = int(item.__cuda_array_interface__["data"][0]), int(item.buffer_size)
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=(res, item))
+    return cupy.ndarray((nbytes,), dtype=np.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _ends(pieces: Sequence[Any]) -> tuple[list[bytes], list[bytes]]:
+    """The first ``_HEAD`` and last ``_TAIL`` bytes of every piece, in one device-to-host copy."""
+    import cupy
+
+    if not pieces:
+        return [], []
+    # Gather on the device, one transfer down: a copy per piece would cost a sync each.
+    parts = []
+    for p in pieces:
+        parts.append(p[:_HEAD])
+        parts.append(p[max(0, p.size - _TAIL):])
+    lengths = [int(x.size) for x in parts]
+    host = cupy.concatenate(parts).get() if sum(lengths) else np.empty(0, np.uint8)
+    cuts = np.cumsum([0, *lengths])
+    chunks = [host[a:b].tobytes() for a, b in zip(cuts[:-1], cuts[1:])]
+    return chunks[0::2], chunks[1::2]
+
+
+# -- framings: (start, stop) of the bare stream inside a piece, or (None, why) ------------
+
+def _frame(framing: str, head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if framing == "zstd":
+        return _zstd(head, size, expected)
+    if framing == "lz4-numcodecs":
+        return _lz4(head, size, expected)
+    if framing == "zlib":
+        return _zlib(head, size)
+    if framing == "gzip":
+        return _gzip(head, tail, size, expected)
+    return ((0, size), "") if size else (None, "empty stream")
+
+
+def _zstd(head: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None, "not a zstd frame (magic number missing)"
+    fhd = head[4]
+    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    if dict_flag:
+        return None, "zstd frame uses a dictionary"
+    at = 5 + (0 if single else 1)
+    width = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fcs_flag]
+    if width:
+        if len(head) < at + width:
+            return None, "truncated zstd frame header"
+        fcs = int.from_bytes(head[at:at + width], "little") + (256 if width == 2 else 0)
+        if fcs != expected:
+            return None, f"zstd frame says {fcs} bytes, expected {expected}"
+    return (0, size), ""
+
+
+def zstd_header(head: bytes) -> tuple[int, int]:
+    """``(header length, checksum length)`` of the zstd frame whose first bytes are ``head``."""
+    fhd = head[4]
+    single = (fhd >> 5) & 1
+    fcs = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+    did = (0, 1, 2, 4)[fhd & 3]
+    return 5 + (0 if single else 1) + did + fcs, 4 if fhd & 4 else 0
+
+
+def zstd_blocks_fit(data: bytes, start: int, trailer: int) -> bool:
+    """Whether the block headers from ``start`` chain to a last block ending at ``len(data) - trailer``.
+
+    The host twin of the ``_ZSTD_WALK`` kernel (the tests check one against the other's rules).
+    """
+    pos, end = start, len(data)
+    while pos + 3 <= end:
+        h = data[pos] | data[pos + 1] << 8 | data[pos + 2] << 16
+        last, kind, size = h & 1, (h >> 1) & 3, h >> 3
+        if kind == 3 or size > _ZSTD_MAX_BLOCK:
+            return False
+        pos += 3 + (1 if kind == 1 else size)
+        if last:
+            return pos + trailer == end
+    return False
+
+
+def _walk_zstd(pieces: Sequence[Any], spans: list, heads: list[bytes], result: Decoded) -> list:
+    """Spans whose zstd block chain fits the piece exactly (one thread per piece walks it on the GPU).
+
+    A truncated or overlong frame would make nvCOMP read past the piece; such pieces go to the host.
+    """
+    import cupy
+
+    from gpulazy.codecs import filters
+
+    layout = [zstd_header(heads[i]) for i, _, _ in spans]
+    src = [pieces[i] for i, _, _ in spans]
+    k = filters.kernel("zstd_walk", _ZSTD_WALK)
+    n = len(src)
+    sizes = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
+    starts = cupy.asarray(np.array([a for a, _ in layout], dtype=np.int64))
+    trailers = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
+    ok = cupy.zeros(n, dtype=np.int32)
+    k((-(-n // 64),), (64,), (filters.pointer_table(src), sizes, starts, trailers, ok, np.int64(n)))
+    fits = ok.get()
+    keep = []
+    for (i, a, b), good in zip(spans, fits):
+        if good:
+            keep.append((i, a, b))
+        else:
+            result.host.append(i)
+            result.why[i] = "zstd block headers do not end at the end of the piece (truncated or corrupt)"
+    return keep
+
+
+_ZSTD_MAX_BLOCK = 128 * 1024
+
+_ZSTD_WALK = r"""
+extern "C" __global__ void gl_zstd_walk(const unsigned long long* src, const long long* n,
+                                        const long long* start, const long long* trailer, int* ok,
+                                        long long count) {
+    long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (p >= count) return;
+    const unsigned char* s = (const unsigned char*)src[p];
+    long long end = n[p], pos = start[p];
+    int good = 0;
+    while (pos + 3 <= end) {
+        unsigned int h = s[pos] | (s[pos + 1] << 8) | (s[pos + 2] << 16);
+        unsigned int last = h & 1u, kind = (h >> 1) & 3u, size = h >> 3;
+        if (kind == 3u || size > 131072u) break;
+        pos += 3 + (kind == 1u ? 1 : (long long)size);
+        if (last) { good = (pos + trailer[p] == end); break; }
+    }
+    ok[p] = good;
+}
+"""
+
+
+def _lz4(head: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if size < 5:
+        return None, "lz4 piece shorter than its size prefix"
+    (n,) = struct.unpack("<I", head[:4])
+    if n != expected:
+        return None, f"lz4 size prefix says {n} bytes, expected {expected}"
+    return (4, size), ""
+
+
+def _zlib(head: bytes, size: int) -> tuple[Any, str]:
+    if size < 7:
+        return None, "zlib stream too short"
+    cmf, flg = head[0], head[1]
+    if cmf & 0x0F != 8 or cmf >> 4 > 7 or (cmf * 256 + flg) % 31:
+        return None, "not a zlib stream (bad header)"
+    if flg & 0x20:
+        return None, "zlib stream uses a preset dictionary"
+    return (2, size - 4), ""
+
+
+def _gzip(head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]:
+    if size < 18 or head[:3] != b"\x1f\x8b\x08":
+        return None, "not a gzip member (bad header)"
+    flg, at = head[3], 10
+    if flg & 0xE0:
+        return None, "gzip header has reserved flags set"
+    if flg & 4:  # FEXTRA: 2-byte length, then that many bytes
+        if len(head) < at + 2:
+            return None, "gzip header longer than fetched"
+        at += 2 + int.from_bytes(head[at:at + 2], "little")
+    for bit in (8, 16):  # FNAME, FCOMMENT: zero-terminated
+        if flg & bit:
+            end = head.find(b"\x00", at)
+            if end < 0:
+                return None, "gzip header longer than fetched"
+            at = end + 1
+    if flg & 2:  # FHCRC
+        at += 2
+    if at > len(head) or at >= size - 8:
+        return None, "gzip header longer than fetched"
+    isize = int.from_bytes(tail[-4:], "little")
+    if isize != expected % (1 << 32):
+        return None, f"gzip trailer says {isize} bytes (mod 2**32), expected {expected}"
+    return (at, size - 8), ""

@@ -1,0 +1,571 @@
+"""gpulazy.codecs: stored pieces through codec pipelines, assembled into chunks.
+
+Specs are built by hand over numcodecs/imagecodecs-encoded blobs in a temporary file and
+read through the device's backend, so the same tests run on ``"cpu"`` (numcodecs on the
+host) and, marked ``gpu``, on ``"cuda:0"`` (nvCOMP and the CuPy filters).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import warnings
+
+import numpy as np
+import pytest
+from conftest import to_host
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpulazy
+from gpulazy.codecs import _pipeline, decoded_on, decode_pieces
+from gpulazy.codecs.gpu import step_sizes
+from gpulazy.device import get_device
+from gpulazy.errors import ChunkDecodeError, PerformanceWarning
+from gpulazy.io import get_backend, read_chunk
+from gpulazy.spec import ByteRange, ChunkSpec, Codec, Tile
+
+try:
+    import imagecodecs  # noqa: F401  (an optional extra: TIFF's codecs)
+
+    HAS_IMAGECODECS = True
+except ImportError:
+    HAS_IMAGECODECS = False
+
+ZSTD = Codec.of("zstd", level=1)
+LZ4 = Codec.of("lz4", acceleration=1)
+ZLIB = Codec.of("zlib", level=1)
+GZIP = Codec.of("gzip", level=1)
+
+#: name -> (pipeline in decode order, dtype of the data)
+PIPELINES = {
+    "zstd": ((ZSTD,), "<u2"),
+    "lz4": ((LZ4,), "<u2"),
+    "zlib": ((ZLIB,), "<u2"),
+    "gzip": ((GZIP,), "<u2"),
+    "blosc": ((Codec.of("blosc", cname="lz4", clevel=5, shuffle=1, blocksize=0),), "<u2"),
+    "zstd+shuffle": ((ZSTD, Codec.of("shuffle", elementsize=4)), "<f4"),
+    "delta": ((Codec.of("delta", dtype="<i2", astype="<i2"),), "<i2"),
+    "zlib+delta-narrow": ((ZLIB, Codec.of("delta", dtype="<i4", astype="<i2")), "<i4"),
+    "crc32c+zstd": ((Codec("crc32c"), ZSTD), "<u2"),
+    "fletcher32": ((Codec("fletcher32"),), "<u2"),
+    "lzw": ((Codec("imagecodecs_lzw"),), "<u2"),
+    "packbits": ((Codec("imagecodecs_packbits"),), "u1"),
+}
+
+
+def encode(data: np.ndarray, codec: tuple[Codec, ...]) -> bytes:
+    """``data``'s bytes encoded so that ``codec`` (decode order) decodes them."""
+    import numcodecs
+
+    buf: object = data.tobytes()
+    for c in reversed(codec):
+        if c.id.startswith("imagecodecs_"):
+            import imagecodecs
+
+            buf = getattr(imagecodecs, c.id.removeprefix("imagecodecs_") + "_encode")(bytes(buf), **dict(c.params))
+        else:
+            buf = numcodecs.get_codec(c.config()).encode(np.frombuffer(bytes(buf), "u1"))
+    return bytes(buf)
+
+
+def sample(shape, dtype, seed=0) -> np.ndarray:
+    """A smooth ramp plus noise (compresses like real data), or small ints for deltas."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape))
+    if dt.kind == "f":
+        return (np.linspace(0, 100, n) + rng.normal(0, 1, n)).astype(dt).reshape(shape)
+    top = min(np.iinfo(dt).max, 4000)
+    ramp = np.linspace(0, top // 2, n)
+    return np.clip(ramp + rng.integers(0, top // 4, n), 0, top).astype(dt).reshape(shape)
+
+
+def write_blobs(path: str, blobs: list[bytes | None]) -> list[ByteRange | None]:
+    """Write blobs back to back after a 7-byte header (odd offsets); their ranges."""
+    ranges, at = [], 7
+    with open(path, "wb") as f:
+        f.write(b"HEADER!")
+        for b in blobs:
+            if b is None:
+                ranges.append(None)
+                continue
+            f.write(b)
+            ranges.append(ByteRange(path, at, len(b)))
+            at += len(b)
+    return ranges
+
+
+def tiled_spec(path, data, tile_shape, codec, *, dtype=None, missing=(), order="C", fill_value=0):
+    """A spec of ``data`` stored as tiles of ``tile_shape`` (edge tiles full size, zero-padded)."""
+    dtype = np.dtype(dtype or data.dtype)
+    grid = [-(-n // t) for n, t in zip(data.shape, tile_shape)]
+    tiles, blobs = [], []
+    for idx in np.ndindex(*grid):
+        origin = tuple(i * t for i, t in zip(idx, tile_shape))
+        block = np.zeros(tile_shape, dtype)
+        part = data[tuple(slice(o, o + t) for o, t in zip(origin, tile_shape))]
+        block[tuple(slice(0, s) for s in part.shape)] = part
+        raw = np.asfortranarray(block).tobytes(order="F") if order == "F" else block.tobytes()
+        blobs.append(None if idx in missing else encode(np.frombuffer(raw, "u1"), codec))
+        tiles.append((origin, idx))
+    ranges = write_blobs(path, blobs)
+    tile_objs = tuple(Tile(r, tuple(tile_shape), o, order) for r, (o, _) in zip(ranges, tiles))
+    present = tuple(r for r in ranges if r is not None)
+    return ChunkSpec(present, tuple(data.shape), dtype.str, codec=tuple(codec), tiles=tile_objs,
+                     fill_value=fill_value)
+
+
+def read(spec: ChunkSpec, device: str) -> np.ndarray:
+    dev = get_device(device)
+    return to_host(read_chunk(spec, get_backend(None, dev)))
+
+
+# -- every codec id the layouts use, on each device ---------------------------------------
+
+NEEDS_IMAGECODECS = pytest.mark.skipif(not HAS_IMAGECODECS, reason="imagecodecs is not installed")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS_IMAGECODECS) if "imagecodecs" in PIPELINES[n][0][0].id
+                                  else n for n in PIPELINES])
+def test_pipeline_decodes_like_numcodecs(tmp_path, device, name):
+    codec, dtype = PIPELINES[name]
+    data = sample((40, 33), dtype)
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 33), codec)
+    out = read(spec, device)
+    assert out.dtype == data.dtype.newbyteorder("=") and out.shape == data.shape
+    np.testing.assert_array_equal(out, data)
+
+
+def test_host_decode_matches_numcodecs_decode(tmp_path):
+    # The host path is numcodecs itself: piece by piece, the same bytes as numcodecs' decode.
+    import numcodecs
+
+    data = sample((64, 64), "<u2")
+    for c in (ZSTD, LZ4, ZLIB, GZIP):
+        blob = np.frombuffer(encode(data, (c,)), "u1")
+        (got,) = decode_pieces([blob], (c,), [data.nbytes], get_device("cpu"))
+        ref = np.frombuffer(bytes(numcodecs.get_codec(c.config()).decode(blob)), "u1")
+        np.testing.assert_array_equal(got, ref)
+
+
+# -- assembling tiles ---------------------------------------------------------------------
+
+def test_missing_tiles_read_as_fill_value(tmp_path, device):
+    data = sample((8, 8), "<u2")
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (4, 4), (ZSTD,), missing={(0, 1), (1, 0)}, fill_value=7)
+    out = read(spec, device)
+    want = data.copy()
+    want[0:4, 4:8] = 7
+    want[4:8, 0:4] = 7
+    np.testing.assert_array_equal(out, want)
+
+
+def test_edge_tiles_are_clipped(tmp_path, device):
+    data = sample((10, 7), "<u2")  # 4x4 tiles: the last row and column of tiles stick out
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (4, 4), (LZ4,))
+    np.testing.assert_array_equal(read(spec, device), data)
+
+
+def test_fortran_order_tiles(tmp_path, device):
+    data = sample((9, 6), "<u2")
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (4, 6), (ZLIB,), order="F")
+    np.testing.assert_array_equal(read(spec, device), data)
+
+
+def test_big_endian_pieces_come_back_native(tmp_path, device):
+    data = sample((12, 5), ">u2")
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (5, 5), (ZSTD, Codec.of("shuffle", elementsize=2)))
+    out = read(spec, device)
+    assert out.dtype == np.dtype("=u2")
+    np.testing.assert_array_equal(out, data.astype("=u2"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=st.tuples(st.integers(1, 9), st.integers(1, 9)), tile=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+       order=st.sampled_from("CF"), seed=st.integers(0, 2**16))
+def test_any_tiling_assembles_the_array(tmp_path_factory, shape, tile, order, seed):
+    data = sample(shape, "<i4", seed)
+    grid = [-(-n // t) for n, t in zip(shape, tile)]
+    missing = {(0,) * 2} if seed % 3 == 0 and np.prod(grid) > 1 else set()
+    path = str(tmp_path_factory.mktemp("h") / "a.bin")
+    spec = tiled_spec(path, data, tile, (ZLIB,), missing=missing, order=order, fill_value=-1)
+    want = data.copy()
+    if missing:
+        want[:tile[0], :tile[1]] = -1
+    np.testing.assert_array_equal(read(spec, "cpu"), want)
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", [ZSTD, LZ4, ZLIB, GZIP], ids=lambda c: c.id)
+def test_corrupt_piece_raises_naming_the_file(tmp_path, device, codec):
+    data = sample((32, 32), "<u2")
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 32), (codec,))
+    second = spec.tiles[1].range
+    with open(second.path, "r+b") as f:  # the second piece's header and some payload garbled
+        f.seek(second.offset)
+        f.write(bytes(range(200, 232)))
+    with pytest.raises(ChunkDecodeError) as e:
+        read(spec, device)
+    assert second.path in str(e.value) and e.value.path == second.path
+
+
+def test_truncated_piece_raises(tmp_path, device):
+    data = sample((32, 32), "<u2")
+    path = str(tmp_path / "a.bin")
+    spec = tiled_spec(path, data, (32, 32), (ZSTD,))
+    r = spec.tiles[0].range
+    short = ByteRange(r.path, r.offset, r.nbytes - 20)
+    bad = ChunkSpec((short,), spec.shape, spec.dtype, codec=spec.codec, tiles=(Tile(short, (32, 32), (0, 0)),))
+    with pytest.raises(ChunkDecodeError, match="a.bin"):
+        read(bad, device)
+
+
+# -- whole-array reads decode in batches across chunks ---------------------------------------
+
+def chunked_specs(path: str, data: np.ndarray, chunk: int, codec) -> tuple[dict, tuple]:
+    """``data`` split along axis 0 into chunks of ``chunk`` rows, each stored as 2 tiles."""
+    import dataclasses
+
+    specs, rows, blobs = {}, [], []
+    for i, a in enumerate(range(0, data.shape[0], chunk)):
+        part = data[a:a + chunk]
+        half = -(-part.shape[0] // 2)
+        blobs += [encode(part[:half], codec), encode(part[half:], codec)]
+        rows.append((i, part.shape, half))
+    ranges = write_blobs(path, blobs)
+    for (i, shape, half), r0, r1 in zip(rows, ranges[0::2], ranges[1::2]):
+        tiles = (Tile(r0, (half, *shape[1:]), (0, 0)), Tile(r1, (shape[0] - half, *shape[1:]), (half, 0)))
+        spec = ChunkSpec((r0, r1), shape, data.dtype.str, codec=tuple(codec), tiles=tiles)
+        specs[(i, 0)] = dataclasses.replace(spec, index=(i, 0))
+    chunks = (tuple(s.shape[0] for s in specs.values()), (data.shape[1],))
+    return specs, chunks
+
+
+def test_read_whole_decodes_in_batches_overlapping_reads(tmp_path, monkeypatch):
+    import gpulazy.codecs
+    import gpulazy.io
+    from gpulazy.array import ChunkSource, _AssembledBatches, read_whole
+
+    data = sample((40, 50), "<u2")
+    # crc32c: every chunk stores the same number of bytes, so batches hold 3 chunks exactly
+    specs, chunks = chunked_specs(str(tmp_path / "a.bin"), data, 4, (Codec("crc32c"),))
+    events = []
+    submit, batch = gpulazy.io.submit_chunk, gpulazy.codecs.assemble_batch
+    monkeypatch.setattr(gpulazy.io, "submit_chunk", lambda spec, *a: events.append(("read", spec.index)) or
+                        submit(spec, *a))
+    monkeypatch.setattr(gpulazy.codecs, "assemble_batch", lambda bufs, specs, *a: events.append(
+        ("decode", [s.index for s in specs])) or batch(bufs, specs, *a))
+    monkeypatch.setattr(_AssembledBatches, "BATCH", 3 * specs[(0, 0)].nbytes)  # 3 chunks a batch
+    out = read_whole(specs, ChunkSource("cpu", None, False), chunks, data.dtype)
+    np.testing.assert_array_equal(out, data)
+    decodes = [e[1] for e in events if e[0] == "decode"]
+    assert decodes == [[(0, 0), (1, 0), (2, 0)], [(3, 0), (4, 0), (5, 0)], [(6, 0), (7, 0), (8, 0)], [(9, 0)]]
+    # batch n decodes only after the reads of batch n+1 were submitted
+    first_decode = events.index(("decode", decodes[0]))
+    assert ("read", (5, 0)) in events[:first_decode]
+
+
+def test_read_whole_raises_for_a_corrupt_chunk_in_a_batch(tmp_path):
+    from gpulazy.array import ChunkSource, read_whole
+
+    data = sample((24, 30), "<u2")
+    specs, chunks = chunked_specs(str(tmp_path / "a.bin"), data, 4, (ZLIB,))
+    bad = specs[(3, 0)].tiles[1].range
+    with open(bad.path, "r+b") as f:
+        f.seek(bad.offset)
+        f.write(b"\x00" * 8)
+    with pytest.raises(ChunkDecodeError) as e:
+        read_whole(specs, ChunkSource("cpu", None, False), chunks, data.dtype)
+    assert e.value.offset == bad.offset
+
+
+@pytest.mark.gpu
+def test_read_whole_decodes_on_the_gpu_in_one_call_per_batch(tmp_path):
+    from gpulazy.array import ChunkSource, read_whole
+
+    gpulazy.stats().reset()
+    data = sample((64, 256), "<u2")
+    specs, chunks = chunked_specs(str(tmp_path / "a.bin"), data, 8, (ZSTD, Codec.of("shuffle", elementsize=2)))
+    out = read_whole(specs, ChunkSource("cuda:0", None, False), chunks, data.dtype)
+    np.testing.assert_array_equal(out.get(), data)
+    snap = gpulazy.stats().snapshot()["decode_by_codec"]
+    assert snap["zstd"]["gpu"]["calls"] == 1 and snap["shuffle"]["gpu"]["calls"] == 1
+
+
+def test_step_sizes_work_back_from_the_expected_size():
+    codec = (Codec("crc32c"), ZLIB, Codec.of("delta", dtype="<i4", astype="<i2"), Codec.of("shuffle", elementsize=4))
+    assert step_sizes(codec, [400]) == [None, [200], [400], [400]]
+    assert step_sizes((Codec("crc32c"), Codec("fletcher32")), [10]) == [[14], [10]]
+
+
+def test_decoded_on_says_host_on_cpu():
+    assert decoded_on((ZSTD,), get_device("cpu")) == "host"
+    assert decoded_on(None, get_device("cpu")) == "none"
+
+
+def test_cpu_decodes_are_recorded_in_stats(tmp_path):
+    gpulazy.stats().reset()
+    data = sample((16, 16), "<u2")
+    read(tiled_spec(str(tmp_path / "a.bin"), data, (8, 16), (ZSTD,)), "cpu")
+    snap = gpulazy.stats().snapshot()
+    assert snap["decode_by_codec"]["zstd"]["host"]["bytes"] == data.nbytes
+    assert snap["decoded_bytes"] == data.nbytes and set(snap["decode_by_place"]) == {"host"}
+
+
+def test_record_decode_counts_per_codec_and_place():
+    from gpulazy.stats import Stats
+
+    s = Stats()
+    s.record_decode(nbytes=4 * 10**9, seconds=0.25, codec="zstd", where="gpu", device="cuda:0")
+    s.record_decode(nbytes=10**9, seconds=0.25, codec="zstd", where="gpu", device="cuda:0")
+    s.record_decode(nbytes=10**8, seconds=0.5, codec="imagecodecs_lzw", where="host", device="cuda:0")
+    snap = s.snapshot()
+    assert snap["decode_by_codec"]["zstd"]["gpu"] == {"bytes": 5 * 10**9, "seconds": 0.5, "calls": 2}
+    assert snap["decode_by_place"]["host"]["bytes"] == 10**8 and snap["decoded_bytes"] == 5_100_000_000
+    s.reset()
+    assert s.snapshot()["decoded_bytes"] == 0 and s.snapshot()["decode_by_codec"] == {}
+
+
+def test_dashboard_says_where_each_codec_decodes():
+    from gpulazy.stats import Stats
+    from gpulazy.widgets import dashboard_figures
+
+    s = Stats()
+    memory = {"gpu": False, "used": 1, "total": 2, "reason": "none"}
+    assert dashboard_figures(s.snapshot(), None, memory)["text"]["decode"] == "decode: nothing decoded yet"
+    s.record_decode(nbytes=123 * 10**8, seconds=1.0, codec="zstd", where="gpu", device="cuda:0")
+    s.record_decode(nbytes=10**8, seconds=0.5, codec="imagecodecs_lzw", where="host", device="cuda:0")
+    text = dashboard_figures(s.snapshot(), None, memory)["text"]["decode"]
+    assert text == "decode: imagecodecs_lzw on host 0.2 GB/s / zstd on GPU 12.3 GB/s"
+
+
+def test_gpu_decode_setting_reads_flags():
+    with gpulazy.config.set(gpu_decode="off"):
+        assert gpulazy.config.get("gpu_decode") is False
+    assert gpulazy.config.get("gpu_decode") is True
+    with pytest.raises(gpulazy.errors.ConfigError, match="true or false"):
+        gpulazy.config.set(gpu_decode="maybe")
+
+
+# -- the GPU path ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", [ZSTD, LZ4, ZLIB, GZIP], ids=lambda c: c.id)
+def test_compressors_really_decode_on_the_gpu(tmp_path, codec):
+    gpulazy.stats().reset()
+    data = sample((64, 100), "<u2")
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 100), (codec,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        np.testing.assert_array_equal(read(spec, "cuda:0"), data)
+    places = gpulazy.stats().snapshot()["decode_by_codec"][codec.id]
+    assert set(places) == {"gpu"} and places["gpu"]["bytes"] == data.nbytes
+    assert decoded_on((codec,), get_device("cuda:0")) == "gpu"
+
+
+@pytest.mark.gpu
+def test_gpu_decode_off_decodes_on_the_host_without_warning(tmp_path):
+    gpulazy.stats().reset()
+    data = sample((32, 40), "<u2")
+    codec = (ZSTD, Codec.of("shuffle", elementsize=2))
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 40), codec)
+    with gpulazy.config.set(gpu_decode=False), warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        out = read_chunk(spec, get_backend(None, "cuda:0"))
+        assert decoded_on(codec, get_device("cuda:0")) == "host"
+    np.testing.assert_array_equal(out.get(), data)
+    assert set(gpulazy.stats().snapshot()["decode_by_place"]) == {"host"}
+
+
+@pytest.mark.gpu
+def test_gzip_header_fields_are_skipped_on_the_gpu(tmp_path):
+    # FEXTRA, FNAME and FCOMMENT must be stepped over before the Deflate stream.
+    import cupy
+
+    data = sample((50, 50), "<u2").tobytes()
+    plain = gzip.compress(data, mtime=0)
+    head = bytearray(plain[:10])
+    head[3] = 4 | 8 | 16
+    fancy = bytes(head) + (3).to_bytes(2, "little") + b"xyz" + b"name.raw\x00" + b"a comment\x00" + plain[10:]
+    gpulazy.stats().reset()
+    out = decode_pieces([cupy.asarray(np.frombuffer(fancy, "u1"))], (GZIP,), [len(data)], get_device("cuda:0"))
+    assert out[0].get().tobytes() == data
+    assert set(gpulazy.stats().snapshot()["decode_by_codec"]["gzip"]) == {"gpu"}
+
+
+@pytest.mark.gpu
+def test_unsupported_codec_warns_once_and_decodes_on_host(tmp_path):
+    # blosc has no GPU decoder (nvCOMP does not read blosc frames): host, one warning.
+    _pipeline._warn_once.cache_clear()
+    gpulazy.stats().reset()
+    data = sample((20, 20), "<u2")
+    blosc = Codec.of("blosc", cname="zstd", clevel=1, shuffle=2, blocksize=0)
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (10, 20), (blosc,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_array_equal(read(spec, "cuda:0"), data)
+        np.testing.assert_array_equal(read(spec, "cuda:0"), data)
+    perf = [w for w in caught if issubclass(w.category, PerformanceWarning)]
+    assert len(perf) == 1 and "blosc" in str(perf[0].message)
+    assert set(gpulazy.stats().snapshot()["decode_by_codec"]["blosc"]) == {"host"}
+    assert decoded_on((blosc,), get_device("cuda:0")) == "host"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("es", [2, 3, 4, 8])
+def test_gpu_unshuffle_equals_numcodecs(es):
+    import cupy
+    import numcodecs
+
+    from gpulazy.codecs import filters
+
+    rng = np.random.default_rng(es)
+    raw = [rng.integers(0, 256, n * es, dtype=np.uint8) for n in (1, 7, 1000, 4099)]
+    enc = [np.frombuffer(numcodecs.Shuffle(es).encode(r), "u1") for r in raw]
+    out = filters.decode([cupy.asarray(e) for e in enc], Codec.of("shuffle", elementsize=es))
+    for o, r in zip(out, raw):
+        np.testing.assert_array_equal(o.get(), r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,astype", [("<u1", "<u1"), ("<i2", "<i2"), ("<u2", "<u2"), ("<i4", "<i2"),
+                                          ("<u4", "<u4"), ("<i8", "<i8"), ("<i8", "<i4"), ("<f4", "<f4"),
+                                          ("<f8", "<f8")])
+def test_gpu_delta_equals_numcodecs(dtype, astype):
+    import cupy
+    import numcodecs
+
+    from gpulazy.codecs import filters
+
+    rng = np.random.default_rng(0)
+    dt = np.dtype(dtype)
+    c = numcodecs.Delta(dtype=dtype, astype=astype)
+    outs, encs = [], []
+    for n in (1, 5, 1023, 1024, 1025, 70_001):
+        if dt.kind == "f":
+            x = rng.normal(0, 1e3, n).astype(dt)
+        else:  # the first value is stored as is: it must fit ``astype``
+            top = np.iinfo(np.dtype(astype))
+            x = rng.integers(top.min // 2, top.max // 2, n, endpoint=True).astype(dt)
+        enc = np.frombuffer(c.encode(x).tobytes(), "u1")
+        encs.append(enc)
+        outs.append(np.asarray(c.decode(enc)).tobytes())
+    got = filters.decode([cupy.asarray(e) for e in encs], Codec.of("delta", dtype=dtype, astype=astype))
+    for g, ref in zip(got, outs):
+        assert g.get().tobytes() == ref
+
+
+@pytest.mark.gpu
+def test_gpu_filters_run_on_the_gpu(tmp_path):
+    gpulazy.stats().reset()
+    data = sample((30, 40), "<i4")
+    codec = (Codec("crc32c"), ZSTD, Codec.of("delta", dtype="<i4", astype="<i4"), Codec.of("shuffle", elementsize=4))
+    spec = tiled_spec(str(tmp_path / "a.bin"), data, (10, 40), codec)
+    np.testing.assert_array_equal(read(spec, "cuda:0"), data)
+    snap = gpulazy.stats().snapshot()["decode_by_codec"]
+    assert all(set(snap[k]) == {"gpu"} for k in ("crc32c", "zstd", "delta", "shuffle"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", [LZ4], ids=lambda c: c.id)
+def test_gpu_batch_with_a_garbled_payload_names_the_piece(codec):
+    # Headers intact, payload garbled: nvCOMP's LZ4 must not hand back garbage for it. (Its
+    # zstd and Deflate decoders assume valid input; see gpulazy.codecs.nvcomp.)
+    import cupy
+
+    data = sample((64, 64), "<u2")
+    good = np.frombuffer(encode(data, (codec,)), "u1")
+    bad = good.copy()
+    bad[16:good.size - 16] = np.random.default_rng(1).integers(0, 256, good.size - 32, dtype=np.uint8)
+    where = [ByteRange("good.bin", 0, good.size), ByteRange("bad.bin", 128, bad.size)]
+    with pytest.raises(ChunkDecodeError) as e:
+        decode_pieces([cupy.asarray(good), cupy.asarray(bad)], (codec,), [data.nbytes] * 2, get_device("cuda:0"),
+                      where=where)
+    assert e.value.path == "bad.bin" and "offset 128" in str(e.value)
+
+
+def test_gzip_framing_parses_optional_fields():
+    from gpulazy.codecs.nvcomp import _gzip
+
+    data = b"x" * 1000
+    plain = gzip.compress(data, mtime=0)
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="some_name.raw", fileobj=buf, mode="wb", mtime=0) as f:
+        f.write(data)
+    named = buf.getvalue()
+    assert _gzip(plain[:64], plain[-8:], len(plain), 1000) == ((10, len(plain) - 8), "")
+    start = 10 + len(b"some_name.raw") + 1
+    assert _gzip(named[:64], named[-8:], len(named), 1000) == ((start, len(named) - 8), "")
+    span, why = _gzip(plain[:64], plain[-8:], len(plain), 999)
+    assert span is None and "1000" in why
+
+
+def test_zstd_and_lz4_framings_check_sizes():
+    import numcodecs
+
+    from gpulazy.codecs.nvcomp import _lz4, _zlib, _zstd
+
+    blob = numcodecs.Zstd(1).encode(b"y" * 5000)
+    assert _zstd(blob[:64], len(blob), 5000)[0] == (0, len(blob))
+    assert _zstd(blob[:64], len(blob), 4999)[0] is None
+    assert _zstd(b"\x00" * 64, 100, 10)[0] is None
+    lz = numcodecs.LZ4().encode(b"z" * 300)
+    assert _lz4(lz[:64], len(lz), 300) == ((4, len(lz)), "")
+    assert _lz4(lz[:64], len(lz), 301)[0] is None
+    zl = numcodecs.Zlib(1).encode(b"w" * 100)
+    assert _zlib(zl[:64], len(zl)) == ((2, len(zl) - 4), "")
+    assert _zlib(b"\x00\x00" + zl[2:64], len(zl))[0] is None
+
+
+def test_zstd_block_walk_fits_only_whole_frames():
+    import numcodecs
+
+    from gpulazy.codecs.nvcomp import zstd_blocks_fit, zstd_header
+
+    data = sample((300, 300), "<u2").tobytes()  # > 128 KiB: several blocks
+    for checksum in (False, True):
+        blob = bytes(numcodecs.Zstd(level=1, checksum=checksum).encode(data))
+        start, trailer = zstd_header(blob[:64])
+        assert trailer == (4 if checksum else 0)
+        assert zstd_blocks_fit(blob, start, trailer)
+        assert not zstd_blocks_fit(blob[:-1], start, trailer)
+        assert not zstd_blocks_fit(blob + b"\0", start, trailer)
+        assert not zstd_blocks_fit(blob[: len(blob) // 2], start, trailer)
+    rle = bytes(numcodecs.Zstd(level=1).encode(bytes(200_000)))  # RLE blocks carry one byte
+    assert zstd_blocks_fit(rle, *zstd_header(rle[:64]))
+
+
+def test_gpu_kernels_compile():
+    # NVRTC needs no GPU: every kernel source compiles for Hopper here too.
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from gpulazy.codecs import filters, nvcomp
+
+    sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, filters._DELTA_SEQ.format(t="double"),
+               filters._DELTA_INT.format(ti="short", u="unsigned short", acc="unsigned int"),
+               filters._DELTA_INT.format(ti="int", u="unsigned long long", acc="unsigned long long")]
+    for src in sources:
+        prog = nvrtc.createProgram(src, "k.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_90"])
+        except Exception:
+            pytest.fail(nvrtc.getProgramLog(prog))
+        ptx = nvrtc.getPTX(prog)
+        assert ".entry gl_" in (ptx.decode() if isinstance(ptx, bytes) else ptx)
+
+
+def test_nvcomp_and_filters_report_nothing_without_a_gpu():
+    from gpulazy.codecs import filters, nvcomp
+
+    if get_device(None).is_gpu:
+        pytest.skip("this machine has a GPU")
+    assert nvcomp.supported() == frozenset() and filters.supported() == frozenset()
+    assert _pipeline.gpu_codecs() == frozenset()
+
+
+def test_blob_offsets_are_odd(tmp_path):
+    # The helper's 7-byte header puts pieces at unaligned offsets, as real files do.
+    ranges = write_blobs(str(tmp_path / "a.bin"), [b"ab", b"cde"])
+    assert [r.offset for r in ranges] == [7, 9] and os.path.getsize(tmp_path / "a.bin") == 12

@@ -1,0 +1,561 @@
+"""TIFF: one multi-page file, or a glob/folder/list of files stacked along a new axis 0.
+
+tifffile parses the IFDs (``dataoffsets``, ``databytecounts``, shapes, compression,
+predictor, byte order, series and pyramid levels); no pixel data is read here. The array
+is tifffile's series shape (``(T, Z, Y, X)`` for an ImageJ or OME hyperstack, samples as
+a last axis for contiguous RGB), so it equals ``tifffile.imread``.
+
+- Uncompressed pages whose strips lie back to back become plain byte ranges, one run
+  per page or longer (pages written one after another merge): no assembly, raw speed.
+- Anything else (compressed, predicted, scattered strips, tiles) becomes a grid of
+  stored pieces (``layouts._grid``): each strip or tile is a ``Tile`` with the codec
+  pipeline in decode order (``zlib``, ``zstd``, imagecodecs' LZW/packbits/JPEG/...,
+  then ``tiff_predictor`` for predictors 2 and 3).
+- Dask chunks are unions of whole pages along the page axes and whole strips/tiles
+  inside a page; any ``chunks=`` is snapped to those boundaries.
+
+>>> import numpy as np, tifffile, tempfile, os, gpulazy
+>>> p = os.path.join(tempfile.mkdtemp(), "a.tif")
+>>> tifffile.imwrite(p, np.arange(24, dtype="u2").reshape(2, 3, 4))
+>>> vol = gpulazy.from_files(p, device="cpu", cache=False)
+>>> vol.shape, vol.chunk_index.specs[0, 0, 0].tiles
+((2, 3, 4), ())
+>>> int(vol.sum().compute())
+276
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpulazy.errors import LayoutError
+from gpulazy.layouts._base import Index, Layout
+from gpulazy.layouts._common import c_ranges, check_dtype, check_order, check_shape
+from gpulazy.layouts._grid import grid_chunks, grid_specs
+from gpulazy.spec import ByteRange, ChunkSpec, Codec
+
+__all__ = ["TiffLayout"]
+
+_MAGIC = (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+")  # classic and BigTIFF, both byte orders
+
+# TIFF compression tag -> codec id (numcodecs ids, or imagecodecs' for TIFF's own)
+_CODECS = {
+    8: "zlib", 32946: "zlib",  # Adobe deflate, old-style deflate: both zlib streams
+    50000: "zstd", 34926: "zstd",
+    5: "imagecodecs_lzw",
+    32773: "imagecodecs_packbits",
+    34925: "imagecodecs_lzma",
+    34933: "imagecodecs_png",
+    50001: "imagecodecs_webp",
+    50002: "imagecodecs_jpegxl", 52546: "imagecodecs_jpegxl",
+    33003: "imagecodecs_jpeg2k", 33004: "imagecodecs_jpeg2k", 33005: "imagecodecs_jpeg2k",
+    34712: "imagecodecs_jpeg2k",
+    34887: "imagecodecs_lerc",
+}
+_JPEG = (7, 6)  # new- and old-style JPEG
+_IMAGE_CODECS = {7, 6, 34933, 50001, 50002, 52546, 33003, 33004, 33005, 34712, 34887}
+# Predictor tag -> (kind, dist): 2 horizontal differencing, 3 floating point; 3489x Adobe's
+_PREDICTORS = {2: (2, 1), 3: (3, 1), 34892: (2, 2), 34893: (2, 4), 34894: (3, 2), 34895: (3, 4)}
+
+
+class TiffLayout(Layout):
+    """TIFF, BigTIFF, ImageJ and OME-TIFF files (tifffile parses them; no pixels are read).
+
+    Options of ``index`` and ``levels``: ``series`` (which tifffile series, default 0),
+    ``level`` (pyramid level of ``index``, default 0: full resolution), ``chunks``
+    (dask-style, snapped to whole pages/strips/tiles); ``dtype`` and ``shape``, if given,
+    must match the file.
+    """
+
+    name = "tiff"
+    extensions = (".tif", ".tiff", ".btf", ".tf8", ".ome.tif", ".ome.tiff")
+
+    @classmethod
+    def guess_can_open(cls, path: str) -> bool:
+        try:
+            with open(path, "rb") as f:
+                return f.read(4) in _MAGIC
+        except (OSError, ValueError, TypeError):
+            return False
+
+    def index(self, paths: Sequence[str], *, series: int = 0, level: int = 0, chunks: Any = None,
+              dtype: Any = None, shape: Any = None, order: str | None = None, **unknown: Any) -> Index:
+        _check_options(unknown, order)
+        found = [_scan(p, series, (level,))[0] for p in paths]
+        return _to_index(found, self.name, chunks, dtype, shape)
+
+    def levels(self, paths: Sequence[str], *, series: int = 0, chunks: Any = None, dtype: Any = None,
+               shape: Any = None, order: str | None = None, **unknown: Any) -> list[Index]:
+        """One ``Index`` per pyramid level (SubIFDs or series levels), full resolution first."""
+        _check_options(unknown, order)
+        per_file = [_scan(p, series, None) for p in paths]
+        count = min(len(f) for f in per_file)  # levels every file has
+        out = [_to_index([f[i] for f in per_file], self.name, chunks, dtype if i == 0 else None,
+                         shape if i == 0 else None) for i in range(count)]
+        _scale_levels(out)
+        return out
+
+
+def _check_options(unknown: dict, order: str | None) -> None:
+    if unknown.pop("offset", None):
+        raise LayoutError("TIFF files say where their data is; offset= cannot be used with them "
+                          "(pass layout='raw' to read their bytes raw)")
+    if unknown:
+        raise TypeError(f"the tiff layout got unexpected options {sorted(unknown)}; it takes series=, level=, "
+                        "chunks= (and dtype=, shape= to check the file)")
+    if order is not None and check_order(order) != "C":
+        raise LayoutError("TIFF pages are stored in C order; order='F' cannot be used with them")
+
+
+# -- what one file says ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Where a page's stored pieces (strips or tiles) lie in the page's array."""
+
+    page_shape: tuple[int, ...]   # tifffile's (squeezed) page shape
+    stored: tuple[int, ...]       # a strip's or tile's shape, in page axes
+    seg_strides: tuple[int, ...]  # segment number = sum(grid index * stride), per page axis
+    rows_axis: int | None         # for strips: the page axis of image rows (last strip is shorter)
+    nsegments: int
+
+
+@dataclass
+class _Found:
+    """One series level of one file: its shape, pieces, codec and metadata."""
+
+    path: str
+    identity: tuple[str, int, int]
+    shape: tuple[int, ...]
+    axes: str
+    dtype: np.dtype                   # in the file, byte order included
+    geometry: _Geometry
+    offsets: np.ndarray               # (pages, segments) int64
+    counts: np.ndarray
+    codec: tuple[Codec, ...] | None
+    fill_value: Any
+    codec_name: str
+    attrs: dict = field(default_factory=dict)
+
+    def describe(self) -> tuple:
+        return (self.shape, self.dtype.str, self.geometry, self.codec)
+
+
+def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
+    """Each requested level (``None``: all) of ``series`` in ``path``, checked against the file size."""
+    import tifffile
+
+    try:
+        st = os.stat(path)
+        with tifffile.TiffFile(path) as tif:
+            s = _series(tif, path, series)
+            chosen = range(len(s.levels)) if levels is None else levels
+            meta = _metadata(tif, s, series)
+            found = []
+            for lv in chosen:
+                if not 0 <= lv < len(s.levels):
+                    raise LayoutError(f"TIFF {path!r} series {series} has {len(s.levels)} pyramid level(s); "
+                                      f"level={lv} does not exist")
+                found.append(_level(path, (path, st.st_size, st.st_mtime_ns), s.levels[lv], meta))
+            return found
+    except (LayoutError, OSError):
+        raise
+    except Exception as e:
+        # tifffile raises many kinds (TiffFileError, struct.error, IndexError, KeyError,
+        # ValueError...) on a corrupt header: all mean the same thing to the caller.
+        raise LayoutError(f"cannot parse the TIFF header of {path!r}: {type(e).__name__}: {e}") from e
+
+
+def _series(tif: Any, path: str, series: int) -> Any:
+    all_series = tif.series
+    if not all_series:
+        raise LayoutError(f"TIFF {path!r} holds no image series (no pages with image data)")
+    if not isinstance(series, int) or not 0 <= series < len(all_series):
+        raise LayoutError(f"TIFF {path!r} has {len(all_series)} series; series={series!r} does not exist")
+    return all_series[series]
+
+
+def _level(path: str, identity: tuple, s: Any, meta: dict) -> _Found:
+    kf = s.keyframe
+    dtype = _file_dtype(kf, path, tif_byteorder=s.parent.byteorder)
+    geometry = _geometry(kf, path)
+    shape = tuple(int(n) for n in s.shape)
+    npages = len(s)
+    lead = len(shape) - len(geometry.page_shape)
+    if lead < 0 or shape[lead:] != geometry.page_shape or math.prod(shape[:lead]) != npages:
+        raise LayoutError(f"TIFF {path!r}: series shape {shape} is not {npages} page(s) of shape "
+                          f"{geometry.page_shape}; this layout of pages is not supported")
+    offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path)
+    codec, codec_name = _codec(kf, path, dtype)
+    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, raw=codec is None)
+    return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, codec,
+                  kf.nodata if kf.nodata is not None else 0, codec_name, dict(meta))
+
+
+def _file_dtype(kf: Any, path: str, tif_byteorder: str) -> np.dtype:
+    dt = kf.dtype
+    if dt is None or kf.bitspersample not in (8, 16, 32, 64, 128) or (kf.sampleformat == 5):
+        raise LayoutError(f"TIFF {path!r} stores {kf.bitspersample}-bit samples of sample format "
+                          f"{kf.sampleformat}: packed, complex-integer or odd bit depths are not supported "
+                          "(read it with tifffile.imread)")
+    if kf.is_subsampled and kf.compression not in _JPEG:
+        raise LayoutError(f"TIFF {path!r} holds chroma-subsampled (YCbCr) data without JPEG; not supported")
+    return np.dtype(dt).newbyteorder(tif_byteorder)
+
+
+def _geometry(kf: Any, path: str) -> _Geometry:
+    # tifffile's full page shape is (separate samples, depth, rows, columns, contiguous samples);
+    # its page shape drops the size-1 ones among them, axis letters say which remain.
+    ssep, depth, length, width, scontig = (int(n) for n in kf.shaped)
+    if kf.is_tiled:
+        stored5 = (1, int(kf.tiledepth), int(kf.tilelength), int(kf.tilewidth), scontig)
+    else:
+        rps = max(1, min(int(kf.rowsperstrip or length), length or 1))
+        stored5 = (1, 1, rps, width, scontig)
+    full5 = (ssep, depth, length, width, scontig)
+    grid5 = tuple(-(-n // s) if n else 0 for n, s in zip(full5, stored5))
+    strides5 = (grid5[1] * grid5[2] * grid5[3], grid5[2] * grid5[3], grid5[3], 1, 0)
+    axes = kf.axes
+    page_shape = tuple(int(n) for n in kf.shape)
+    where = []  # the full-shape position of each page axis
+    for i, letter in enumerate(axes):
+        pos = {"Z": 1, "Y": 2, "X": 3}.get(letter)
+        if letter == "S":
+            pos = 0 if kf.planarconfig == 2 else 4
+        if pos is None or pos in where:
+            raise LayoutError(f"TIFF {path!r}: page axes {axes!r} are not supported")
+        where.append(pos)
+    dropped = [full5[j] for j in range(5) if j not in where]
+    if len(axes) != len(page_shape) or any(page_shape[i] != full5[j] for i, j in enumerate(where)) or \
+            any(n != 1 for n in dropped) or any(stored5[j] != 1 for j in range(5) if j not in where):
+        raise LayoutError(f"TIFF {path!r}: page shape {page_shape} ({axes}) does not match its stored "
+                          f"layout {full5}; not supported")
+    return _Geometry(page_shape, tuple(stored5[j] for j in where), tuple(strides5[j] for j in where),
+                     (where.index(2) if not kf.is_tiled else None), math.prod(grid5[:4]))
+
+
+def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets, counts)`` of every page's segments; zeros for a page the series lacks."""
+    offsets = np.zeros((npages, nseg), np.int64)
+    counts = np.zeros((npages, nseg), np.int64)
+    if getattr(s, "is_truncated", False) and npages > 1:
+        # ImageJ > 4 GiB and tifffile's truncated series: one IFD, pages back to back after it.
+        if s.dataoffset is None:
+            raise LayoutError(f"TIFF {path!r}: truncated series without contiguous data is not supported")
+        first = np.asarray(kf.dataoffsets, np.int64)
+        step = kf.nbytes
+        offsets[:] = first[None, :] + step * np.arange(npages, dtype=np.int64)[:, None]
+        counts[:] = np.asarray(kf.databytecounts, np.int64)[None, :]
+        return offsets, counts
+    for i, page in enumerate(s):
+        if page is None:
+            continue
+        off, cnt = page.dataoffsets, page.databytecounts
+        if len(off) != nseg or len(cnt) != nseg:
+            raise LayoutError(f"TIFF {path!r} page {i} has {len(off)} data offsets and {len(cnt)} byte counts; "
+                              f"its shape needs {nseg}; the file is corrupt")
+        offsets[i] = off
+        counts[i] = cnt
+    return offsets, counts
+
+
+def _check_pieces(path: str, size: int, offsets: np.ndarray, counts: np.ndarray, g: _Geometry,
+                  dtype: np.dtype, *, raw: bool) -> None:
+    """Every piece inside the file (and, uncompressed, big enough); a sparse piece is (0, 0)."""
+    present = counts > 0
+    bad = present & ((offsets < 8) | (offsets + counts > size))
+    if np.any(counts < 0) or np.any(bad):
+        page, seg = (np.argwhere(bad | (counts < 0))[0]).tolist()
+        raise LayoutError(f"TIFF {path!r} page {page} piece {seg}: {counts[page, seg]} bytes at offset "
+                          f"{offsets[page, seg]} lie outside the file ({size} bytes); the file is truncated "
+                          "or its header is corrupt")
+    if not raw:
+        return
+    need = _raw_sizes(g, dtype)
+    short = present & (counts < need[None, :])
+    if np.any(short):
+        page, seg = np.argwhere(short)[0].tolist()
+        raise LayoutError(f"TIFF {path!r} page {page} piece {seg} has {counts[page, seg]} bytes but its shape "
+                          f"needs {need[seg]} uncompressed; the byte counts do not match the image")
+
+
+def _raw_sizes(g: _Geometry, dtype: np.dtype) -> np.ndarray:
+    """Each segment's uncompressed size: a full tile, or a strip (the last of a plane shorter)."""
+    sizes = np.full(g.nsegments, math.prod(g.stored) * dtype.itemsize, np.int64)
+    if g.rows_axis is not None:
+        for seg in range(g.nsegments):
+            sizes[seg] = math.prod(_strip_shape(g, seg)) * dtype.itemsize
+    return sizes
+
+
+def _strip_shape(g: _Geometry, seg: int) -> tuple[int, ...]:
+    rows, stride = g.stored[g.rows_axis], g.seg_strides[g.rows_axis]
+    nstrips = -(-g.page_shape[g.rows_axis] // rows)
+    k = (seg // stride) % nstrips
+    out = list(g.stored)
+    out[g.rows_axis] = min(rows, g.page_shape[g.rows_axis] - k * rows)
+    return tuple(out)
+
+
+def _codec(kf: Any, path: str, dtype: np.dtype) -> tuple[tuple[Codec, ...] | None, str]:
+    """The decode pipeline of every piece (``None``: raw bytes) and a readable name."""
+    import tifffile
+
+    from gpulazy.codecs import check_supported
+
+    comp, pred = int(kf.compression), int(kf.predictor)
+    try:
+        comp_name = tifffile.COMPRESSION(comp).name
+    except ValueError:
+        comp_name = str(comp)
+    steps: list[Codec] = []
+    if kf.fillorder == 2 and comp not in _JPEG:
+        steps.append(Codec("imagecodecs_bitorder"))  # bits of each byte stored in reverse
+    if comp in _JPEG:
+        steps.append(_jpeg(kf))
+    elif comp in _CODECS:
+        steps.append(Codec(_CODECS[comp]))
+    elif comp != 1:
+        raise LayoutError(f"TIFF {path!r} uses compression {comp_name} ({comp}), which gpulazy cannot decode "
+                          "(read it with tifffile.imread, or convert it)")
+    if pred != 1 and comp not in _IMAGE_CODECS:
+        if pred not in _PREDICTORS:
+            raise LayoutError(f"TIFF {path!r} uses predictor {pred}, which gpulazy cannot undo")
+        kind, dist = _PREDICTORS[pred]
+        width = int(kf.tilewidth if kf.is_tiled else kf.imagewidth)
+        samples = int(kf.samplesperpixel if kf.planarconfig == 1 else 1)
+        steps.append(Codec.of("tiff_predictor", kind=kind, dist=dist, dtype=dtype.str, width=width,
+                              samples=samples))
+    if not steps:
+        return None, "none"
+    try:
+        check_supported(steps, path)
+    except LayoutError as e:
+        raise LayoutError(f"TIFF {path!r} (compression {comp_name}): {e}") from e
+    name = comp_name.lower() + (f"+predictor{pred}" if pred != 1 else "")
+    return tuple(steps), name
+
+
+def _jpeg(kf: Any) -> Codec:
+    import tifffile
+
+    colorspace, outcolorspace = tifffile.tifffile.jpeg_decode_colorspace(
+        kf.photometric, kf.planarconfig, kf.extrasamples, kf.is_jfif)
+    return Codec.of("imagecodecs_jpeg", tables=kf.jpegtables, colorspace=colorspace,
+                    outcolorspace=outcolorspace, bitspersample=int(kf.bitspersample))
+
+
+# -- metadata -------------------------------------------------------------------------------
+
+_OME_SIZES = {"x": "PhysicalSizeX", "y": "PhysicalSizeY", "z": "PhysicalSizeZ", "t": "TimeIncrement"}
+
+
+def _metadata(tif: Any, s: Any, series: int) -> dict:
+    """``scale``/``units`` per axis letter from OME-XML or ImageJ metadata, where the file has them."""
+    try:
+        if tif.is_ome and tif.ome_metadata:
+            return _ome_metadata(tif.ome_metadata, series)
+        if tif.is_imagej and tif.imagej_metadata:
+            return _imagej_metadata(tif.imagej_metadata, s.keyframe)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError):
+        pass  # metadata we cannot read costs the scale, not the data
+    return {}
+
+
+def _ome_metadata(xml: str, series: int) -> dict:
+    import tifffile
+
+    images = tifffile.xml2dict(xml)["OME"]["Image"]
+    image = images[series] if isinstance(images, list) else images
+    pixels = image["Pixels"]
+    scale, units = {}, {}
+    for axis, key in _OME_SIZES.items():
+        if key in pixels:
+            scale[axis] = float(pixels[key])
+            units[axis] = str(pixels.get(key + "Unit", "s" if axis == "t" else "µm"))
+    return {"scale": scale, "units": units, "name": image.get("Name")}
+
+
+def _imagej_metadata(meta: dict, kf: Any) -> dict:
+    scale, units = {}, {}
+    unit = meta.get("unit")
+    if "spacing" in meta:
+        scale["z"] = float(meta["spacing"])
+    for axis, tag in (("x", "XResolution"), ("y", "YResolution")):
+        res = kf.tags.valueof(tag)
+        if res and res[0] and tuple(res) != (1, 1):
+            scale[axis] = res[1] / res[0]
+    if unit:
+        units = {a: str(unit) for a in scale}
+    if "finterval" in meta:
+        scale["t"], units["t"] = float(meta["finterval"]), "s"
+    return {"scale": scale, "units": units}
+
+
+def _attrs(f: _Found, stacked: bool, stored: tuple[int, ...]) -> dict:
+    axes = (("i",) if stacked else ()) + tuple(a.lower() for a in f.axes)
+    out: dict = {"axes": axes, "codec": f.codec_name, "stored_chunks": stored}
+    scale = f.attrs.get("scale") or {}
+    if scale:
+        out["scale"] = tuple(float(scale.get(a, 1.0)) for a in axes)
+        units = f.attrs.get("units") or {}
+        out["units"] = tuple(units.get(a) for a in axes)
+    if f.attrs.get("name"):
+        out["name"] = f.attrs["name"]
+    return out
+
+
+def _scale_levels(levels: list[Index]) -> None:
+    """A pyramid level's scale: full resolution's times how much smaller the level is per axis."""
+    top = levels[0]
+    scale = top.attrs.get("scale") or (1.0,) * top.ndim
+    for idx in list(levels[1:]):
+        if idx.ndim != top.ndim:
+            continue
+        factors = tuple(a / b if b else 1.0 for a, b in zip(top.shape, idx.shape))
+        attrs = dict(idx.attrs)
+        attrs["scale"] = tuple(s * f for s, f in zip(scale, factors))
+        if "units" in top.attrs:
+            attrs["units"] = top.attrs["units"]
+        levels[levels.index(idx)] = replace(idx, attrs=attrs)
+
+
+# -- the index ------------------------------------------------------------------------------
+
+def _to_index(found: list[_Found], layout: str, chunks: Any, dtype: Any, shape: Any) -> Index:
+    first = found[0]
+    for f in found[1:]:
+        if f.describe() != first.describe():
+            raise LayoutError(_mismatch(f, first))
+    stacked = len(found) > 1
+    full = ((len(found),) if stacked else ()) + first.shape
+    lead = len(full) - len(first.geometry.page_shape)
+    native = first.dtype.newbyteorder("=")
+    _check_requested(first.path, full, native, dtype, shape)
+    stored = (1,) * lead + first.geometry.stored
+    norm = grid_chunks(full, stored, native, chunks)
+    pages = _PageTable.of(found)
+    if first.codec is None and pages.starts is not None:
+        specs = _plain_specs(full, lead, norm, first, pages)
+    else:
+        specs = _grid_specs(full, lead, norm, first, pages)
+    return Index(shape=full, dtype=native, chunks=norm, specs=specs, layout=layout, order="C",
+                 stacked=stacked, paths=tuple(f.path for f in found), attrs=_attrs(first, stacked, stored))
+
+
+def _mismatch(f: _Found, first: _Found) -> str:
+    what = [(n, a, b) for n, a, b in (("shape", f.shape, first.shape), ("dtype", f.dtype.str, first.dtype.str),
+                                      ("codec", f.codec_name, first.codec_name))
+            if a != b] or [("strip/tile layout", f.geometry.stored, first.geometry.stored)]
+    name, a, b = what[0]
+    return (f"TIFF {f.path!r} has {name} {a!r} but {first.path!r} has {b!r}; stacked TIFF files must agree on "
+            "page shape, dtype, compression and strips/tiles")
+
+
+def _check_requested(path: str, full: tuple, native: np.dtype, dtype: Any, shape: Any) -> None:
+    if dtype is not None and check_dtype(dtype).newbyteorder("=") != native:
+        raise LayoutError(f"TIFF {path!r} holds dtype {native.str!r}, not the requested {dtype!r}; leave dtype "
+                          "unset for TIFF files")
+    if shape is not None and check_shape(shape) != full:
+        raise LayoutError(f"TIFF {path!r} holds shape {full}, not the requested {shape!r}; leave shape unset")
+
+
+@dataclass
+class _PageTable:
+    """Every page of the array, in C order of the page axes: its file, pieces and raw start."""
+
+    paths: list[str]              # per page
+    identity: dict[str, tuple]    # path -> (path, size, mtime_ns)
+    offsets: np.ndarray           # (pages, segments)
+    counts: np.ndarray
+    starts: np.ndarray | None     # where each page's raw elements start, if every page is contiguous
+
+    @classmethod
+    def of(cls, found: list[_Found]) -> _PageTable:
+        paths = [f.path for f in found for _ in range(len(f.offsets))]
+        offsets = np.concatenate([f.offsets for f in found])
+        counts = np.concatenate([f.counts for f in found])
+        first = found[0]
+        starts = None
+        if first.codec is None:
+            starts = _contiguous_starts(offsets, counts, math.prod(first.geometry.page_shape) * first.dtype.itemsize)
+        return cls(paths, {f.path: f.identity for f in found}, offsets, counts, starts)
+
+
+def _contiguous_starts(offsets: np.ndarray, counts: np.ndarray, page_nbytes: int) -> np.ndarray | None:
+    """Each page's first byte when every page's pieces lie back to back in order (strips of an image)."""
+    if offsets.shape[1] == 1:
+        return offsets[:, 0] if bool(np.all(counts[:, 0] >= page_nbytes)) else None
+    follows = np.all(offsets[:, 1:] == offsets[:, :-1] + counts[:, :-1])
+    if follows and bool(np.all(counts.sum(axis=1) == page_nbytes)):
+        return offsets[:, 0]
+    return None
+
+
+def _bounds(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    edges = list(itertools.accumulate(chunks, initial=0))
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _plain_specs(full: tuple, lead: int, chunks: tuple, f: _Found, pages: _PageTable) -> dict:
+    """Uncompressed contiguous pages: each block is the C-order runs of its pages, merged where adjacent."""
+    bounds = [_bounds(c) for c in chunks]
+    lead_shape, page_shape = full[:lead], full[lead:]
+    lead_strides = [math.prod(lead_shape[k + 1:]) for k in range(lead)]
+    itemsize, dt = f.dtype.itemsize, f.dtype.str
+    inner_runs: dict = {}  # within-page runs depend only on the in-page block: compute once each
+    specs: dict = {}
+    for idx in itertools.product(*(range(len(b)) for b in bounds)):
+        bnd = [bounds[a][i] for a, i in enumerate(idx)]
+        inner = tuple(bnd[lead:])
+        runs = inner_runs.get(inner)
+        if runs is None:
+            runs = inner_runs[inner] = c_ranges(page_shape, [a for a, _ in inner], [b for _, b in inner], itemsize)
+        out: list[list] = []  # [path, offset, nbytes], merged as they follow each other
+        for page_idx in itertools.product(*(range(a, b) for a, b in bnd[:lead])):
+            page = sum(i * s for i, s in zip(page_idx, lead_strides))
+            path, start = pages.paths[page], int(pages.starts[page])
+            for off, nb in runs:
+                if out and out[-1][0] == path and out[-1][1] + out[-1][2] == start + off:
+                    out[-1][2] += nb
+                else:
+                    out.append([path, start + off, nb])
+        ranges = tuple(ByteRange(p, o, n) for p, o, n in out)
+        ident = tuple(pages.identity[p] for p in dict.fromkeys(r.path for r in ranges))
+        shape = tuple(b - a for a, b in bnd)
+        specs[idx] = ChunkSpec(ranges, shape, dt, "C", None, ident, idx)
+    return specs
+
+
+def _grid_specs(full: tuple, lead: int, chunks: tuple, f: _Found, pages: _PageTable) -> dict:
+    """Compressed, predicted, tiled or scattered pieces: one ``Tile`` per strip/tile (raw ones trimmed)."""
+    g, lead_shape = f.geometry, full[:lead]
+    lead_strides = [math.prod(lead_shape[k + 1:]) for k in range(lead)]
+    raw_sizes = _raw_sizes(g, f.dtype) if f.codec is None else None
+
+    def segment(sidx: tuple[int, ...]) -> tuple[int, int]:
+        page = sum(i * s for i, s in zip(sidx[:lead], lead_strides))
+        return page, sum(i * s for i, s in zip(sidx[lead:], g.seg_strides))
+
+    def tile_at(sidx: tuple[int, ...]) -> ByteRange | None:
+        page, seg = segment(sidx)
+        count = int(pages.counts[page, seg])
+        if count == 0:
+            return None  # sparse: never written (reads as the fill value, like tifffile)
+        if raw_sizes is not None:
+            count = int(raw_sizes[seg])  # an uncompressed piece may be padded: read what it holds
+        return ByteRange(pages.paths[page], int(pages.offsets[page, seg]), count)
+
+    def tile_shape(sidx: tuple[int, ...]) -> tuple[int, ...]:
+        if g.rows_axis is None:
+            return (1,) * lead + g.stored
+        return (1,) * lead + _strip_shape(g, segment(sidx)[1])
+
+    return grid_specs(full, (1,) * lead + g.stored, chunks, dtype=f.dtype, tile_at=tile_at, codec=f.codec,
+                      fill_value=f.fill_value, tile_shape=tile_shape, identity=pages.identity.__getitem__)

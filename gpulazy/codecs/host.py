@@ -30,6 +30,7 @@ def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int) -> np.ndarray
 
     dt = np.dtype(codec.get("dtype"))
     width, samples, dist = int(codec.get("width")), int(codec.get("samples")), int(codec.get("dist", 1))
+    data = data[:expected]  # a decompressor may return a few bytes more; tifffile drops them too
     values = data.view(dt.newbyteorder("=") if codec.get("kind") == 3 else dt).reshape(-1, width, samples)
     values = values.astype(dt.newbyteorder("="), copy=True)  # writable, native
     undo = imagecodecs.floatpred_decode if codec.get("kind") == 3 else imagecodecs.delta_decode

@@ -60,6 +60,10 @@ _CODECS = {
 }
 _JPEG = (7, 6)  # new- and old-style JPEG
 _IMAGE_CODECS = {7, 6, 34933, 50001, 50002, 52546, 33003, 33004, 33005, 34712, 34887}
+# The most a codec's output can exceed its input (deflate's limit is 1032:1; zstd's RLE blocks
+# ~43690:1; LZW with 12-bit codes ~1300:1; packbits 64:1); others get the largest.
+_MAX_RATIO = {"zlib": 1100, "zstd": 1 << 16, "imagecodecs_lzw": 4096, "imagecodecs_packbits": 80,
+              "tiff_predictor": 1, "imagecodecs_bitorder": 1}
 # Predictor tag -> (kind, dist): 2 horizontal differencing, 3 floating point; 3489x Adobe's
 _PREDICTORS = {2: (2, 1), 3: (3, 1), 34892: (2, 2), 34893: (2, 4), 34894: (3, 2), 34895: (3, 4)}
 
@@ -124,6 +128,8 @@ class _Geometry:
     seg_strides: tuple[int, ...]  # segment number = sum(grid index * stride), per page axis
     rows_axis: int | None         # for strips: the page axis of image rows (last strip is shorter)
     nsegments: int
+    whole: bool = False           # one piece holding the whole series (see ``_reshaped``)
+    in_order: bool = True         # pieces back to back are the page in C order (strips; tiles as wide as the page)
 
 
 @dataclass
@@ -142,6 +148,7 @@ class _Found:
     fill_value: Any
     codec_name: str
     attrs: dict = field(default_factory=dict)
+    inserted: tuple[int, ...] = ()    # size-1 axes of ``shape`` that are neither pages nor page axes
 
     def describe(self) -> tuple:
         return (self.shape, self.dtype.str, self.geometry, self.codec)
@@ -186,16 +193,57 @@ def _level(path: str, identity: tuple, s: Any, meta: dict) -> _Found:
     dtype = _file_dtype(kf, path, tif_byteorder=s.parent.byteorder)
     geometry = _geometry(kf, path)
     shape = tuple(int(n) for n in s.shape)
-    npages = len(s)
     lead = len(shape) - len(geometry.page_shape)
-    if lead < 0 or shape[lead:] != geometry.page_shape or math.prod(shape[:lead]) != npages:
-        raise LayoutError(f"TIFF {path!r}: series shape {shape} is not {npages} page(s) of shape "
-                          f"{geometry.page_shape}; this layout of pages is not supported")
-    offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path)
+    npages = math.prod(shape[:lead]) if lead >= 0 else 0
+    truncated = bool(getattr(s, "is_truncated", False)) and len(s) == 1
     codec, codec_name = _codec(kf, path, dtype)
-    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, raw=codec is None)
+    inserted: tuple[int, ...] = ()
+    if lead < 0 or shape[lead:] != geometry.page_shape or (npages != len(s) and not truncated):
+        inserted = _inserted_axes(shape, geometry.page_shape, len(s))
+        if inserted is None:
+            return _reshaped(path, identity, s, shape, dtype, codec, meta)
+        npages = len(s)
+    offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path, truncated)
+    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, codec)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, codec,
-                  kf.nodata if kf.nodata is not None else 0, codec_name, dict(meta))
+                  kf.nodata if kf.nodata is not None else 0, codec_name, dict(meta), inserted)
+
+
+def _inserted_axes(shape: tuple[int, ...], page_shape: tuple[int, ...], npages: int) -> tuple[int, ...] | None:
+    """Where tifffile put extra size-1 axes among the page axes (``(2, 3, 1)``: ``YXQ``), or None.
+
+    Matches the page axes from the right; size-1 axes that match none are the inserted ones,
+    and what is left of them must be the pages (product ``npages``).
+    """
+    i, j, inserted = len(shape) - 1, len(page_shape) - 1, []
+    while j >= 0:
+        if i < 0:
+            return None
+        if shape[i] == page_shape[j]:
+            j -= 1
+        elif shape[i] == 1:
+            inserted.append(i)
+        else:
+            return None
+        i -= 1
+    return tuple(sorted(inserted)) if math.prod(shape[: i + 1]) == npages else None
+
+
+def _reshaped(path: str, identity: tuple, s: Any, shape: tuple[int, ...], dtype: np.dtype, codec: Any,
+              meta: dict) -> _Found:
+    """A series whose shape is not whole pages stacked (tifffile reshapes, e.g. ``(1, 2, 1)``).
+
+    Readable when its data is one uncompressed run: then it is a C-order array at that offset.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if codec is not None or s.dataoffset is None or math.prod(shape) != len(s) * math.prod(s.keyframe.shape):
+        raise LayoutError(f"TIFF {path!r}: series shape {shape} is not whole pages of shape {s.keyframe.shape} "
+                          "stacked, and its data is not one uncompressed run; this layout is not supported")
+    geometry = _Geometry(shape, (1,) * len(shape), (0,) * len(shape), None, 1, whole=True)
+    offsets = np.array([[s.dataoffset]], np.int64)
+    counts = np.array([[nbytes]], np.int64)
+    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, None)
+    return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, None, 0, "none", dict(meta))
 
 
 def _file_dtype(kf: Any, path: str, tif_byteorder: str) -> np.dtype:
@@ -236,15 +284,19 @@ def _geometry(kf: Any, path: str) -> _Geometry:
             any(n != 1 for n in dropped) or any(stored5[j] != 1 for j in range(5) if j not in where):
         raise LayoutError(f"TIFF {path!r}: page shape {page_shape} ({axes}) does not match its stored "
                           f"layout {full5}; not supported")
+    # tifffile's rule (TiffPage.is_contiguous): tiles as wide as the image, whole tiles down it
+    in_order = not kf.is_tiled or (stored5[3] == width and length % stored5[2] == 0 and
+                                   (depth == 1 or (stored5[2] == length and depth % stored5[1] == 0)))
     return _Geometry(page_shape, tuple(stored5[j] for j in where), tuple(strides5[j] for j in where),
-                     (where.index(2) if not kf.is_tiled else None), math.prod(grid5[:4]))
+                     (where.index(2) if not kf.is_tiled else None), math.prod(grid5[:4]), in_order=in_order)
 
 
-def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str) -> tuple[np.ndarray, np.ndarray]:
+def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str, truncated: bool
+            ) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets, counts)`` of every page's segments; zeros for a page the series lacks."""
     offsets = np.zeros((npages, nseg), np.int64)
     counts = np.zeros((npages, nseg), np.int64)
-    if getattr(s, "is_truncated", False) and npages > 1:
+    if truncated:
         # ImageJ > 4 GiB and tifffile's truncated series: one IFD, pages back to back after it.
         if s.dataoffset is None:
             raise LayoutError(f"TIFF {path!r}: truncated series without contiguous data is not supported")
@@ -266,28 +318,37 @@ def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str) -> tuple[np.ndar
 
 
 def _check_pieces(path: str, size: int, offsets: np.ndarray, counts: np.ndarray, g: _Geometry,
-                  dtype: np.dtype, *, raw: bool) -> None:
-    """Every piece inside the file (and, uncompressed, big enough); a sparse piece is (0, 0)."""
+                  dtype: np.dtype, codec: tuple[Codec, ...] | None) -> None:
+    """Every piece inside the file, big enough uncompressed, and not decoding to more than its
+    codec can make of its bytes (so a corrupt header cannot ask for terabytes); sparse is (0, 0)."""
     present = counts > 0
-    bad = present & ((offsets < 8) | (offsets + counts > size))
-    if np.any(counts < 0) or np.any(bad):
-        page, seg = (np.argwhere(bad | (counts < 0))[0]).tolist()
+    # (0, 0) is a sparse piece; a count of 0 elsewhere is corrupt (readers disagree on it).
+    bad = (present & ((offsets < 8) | (offsets + counts > size))) | (counts < 0) | ((counts == 0) & (offsets != 0))
+    if np.any(bad):
+        page, seg = np.argwhere(bad)[0].tolist()
         raise LayoutError(f"TIFF {path!r} page {page} piece {seg}: {counts[page, seg]} bytes at offset "
                           f"{offsets[page, seg]} lie outside the file ({size} bytes); the file is truncated "
                           "or its header is corrupt")
-    if not raw:
-        return
     need = _raw_sizes(g, dtype)
-    short = present & (counts < need[None, :])
-    if np.any(short):
-        page, seg = np.argwhere(short)[0].tolist()
-        raise LayoutError(f"TIFF {path!r} page {page} piece {seg} has {counts[page, seg]} bytes but its shape "
-                          f"needs {need[seg]} uncompressed; the byte counts do not match the image")
+    if codec is None:
+        short = present & (counts < need[None, :])
+        if np.any(short):
+            page, seg = np.argwhere(short)[0].tolist()
+            raise LayoutError(f"TIFF {path!r} page {page} piece {seg} has {counts[page, seg]} bytes but its shape "
+                              f"needs {need[seg]} uncompressed; the byte counts do not match the image")
+        return
+    ratio = max(_MAX_RATIO.get(c.id, 1 << 16) for c in codec)
+    over = present & (need[None, :] > counts * ratio + 4096)
+    if np.any(over):
+        page, seg = np.argwhere(over)[0].tolist()
+        raise LayoutError(f"TIFF {path!r} page {page} piece {seg}: {counts[page, seg]} stored bytes cannot decode "
+                          f"to the {need[seg]} its shape needs ({codec[0].id} expands at most ~{ratio}x); the "
+                          "header is corrupt")
 
 
 def _raw_sizes(g: _Geometry, dtype: np.dtype) -> np.ndarray:
     """Each segment's uncompressed size: a full tile, or a strip (the last of a plane shorter)."""
-    sizes = np.full(g.nsegments, math.prod(g.stored) * dtype.itemsize, np.int64)
+    sizes = np.full(g.nsegments, math.prod(g.page_shape if g.whole else g.stored) * dtype.itemsize, np.int64)
     if g.rows_axis is not None:
         for seg in range(g.nsegments):
             sizes[seg] = math.prod(_strip_shape(g, seg)) * dtype.itemsize
@@ -435,18 +496,39 @@ def _to_index(found: list[_Found], layout: str, chunks: Any, dtype: Any, shape: 
             raise LayoutError(_mismatch(f, first))
     stacked = len(found) > 1
     full = ((len(found),) if stacked else ()) + first.shape
-    lead = len(full) - len(first.geometry.page_shape)
+    extra = tuple(a + stacked for a in first.inserted)  # size-1 axes the pieces know nothing of
+    nat = tuple(n for a, n in enumerate(full) if a not in extra)
+    lead = len(nat) - len(first.geometry.page_shape)
     native = first.dtype.newbyteorder("=")
     _check_requested(first.path, full, native, dtype, shape)
-    stored = (1,) * lead + first.geometry.stored
+    stored = _insert((1,) * lead + first.geometry.stored, extra, 1)
     norm = grid_chunks(full, stored, native, chunks)
+    nat_chunks = tuple(c for a, c in enumerate(norm) if a not in extra)
     pages = _PageTable.of(found)
     if first.codec is None and pages.starts is not None:
-        specs = _plain_specs(full, lead, norm, first, pages)
+        specs = _plain_specs(nat, lead, nat_chunks, first, pages)
     else:
-        specs = _grid_specs(full, lead, norm, first, pages)
+        specs = _grid_specs(nat, lead, nat_chunks, first, pages)
+    if extra:
+        specs = {_insert(i, extra, 0): _spec_with_axes(sp, extra) for i, sp in specs.items()}
     return Index(shape=full, dtype=native, chunks=norm, specs=specs, layout=layout, order="C",
                  stacked=stacked, paths=tuple(f.path for f in found), attrs=_attrs(first, stacked, stored))
+
+
+def _insert(values: tuple, positions: tuple[int, ...], fill: Any) -> tuple:
+    """``values`` with ``fill`` inserted so that it lands at each of ``positions`` (sorted)."""
+    out = list(values)
+    for p in positions:
+        out.insert(p, fill)
+    return tuple(out)
+
+
+def _spec_with_axes(spec: ChunkSpec, extra: tuple[int, ...]) -> ChunkSpec:
+    # Size-1 axes change neither the bytes nor their C order: insert them everywhere.
+    tiles = tuple(replace(t, shape=_insert(t.shape, extra, 1), origin=_insert(t.origin, extra, 0))
+                  for t in spec.tiles)
+    return ChunkSpec(spec.ranges, _insert(spec.shape, extra, 1), spec.dtype, spec.order, spec.codec,
+                     spec.identity, _insert(spec.index, extra, 0), tiles, spec.fill_value)
 
 
 def _mismatch(f: _Found, first: _Found) -> str:
@@ -483,7 +565,7 @@ class _PageTable:
         counts = np.concatenate([f.counts for f in found])
         first = found[0]
         starts = None
-        if first.codec is None:
+        if first.codec is None and first.geometry.in_order:
             starts = _contiguous_starts(offsets, counts, math.prod(first.geometry.page_shape) * first.dtype.itemsize)
         return cls(paths, {f.path: f.identity for f in found}, offsets, counts, starts)
 

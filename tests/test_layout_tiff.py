@@ -282,6 +282,7 @@ def test_multiscale_ome_pyramid(tmp_path, opts):
     assert [a.attrs["scale"] for a in levels] == [(2.0, 0.5, 0.5), (2.0, 1.0, 1.0), (2.0, 2.0, 2.0)]
     np.testing.assert_array_equal(_open(path).compute(), data)  # from_files: full resolution
     np.testing.assert_array_equal(_open(path, level=2).compute(), refs[2])
+    assert _open(path, level=1).attrs["scale"] == (2.0, 1.0, 1.0)
     with pytest.raises(LayoutError, match="pyr.ome.tif.*level=3"):
         _open(path, level=3)
 
@@ -365,11 +366,14 @@ def test_byte_counts_that_do_not_match(tmp_path):
         _open(path)
 
 
-def test_header_claiming_more_than_the_bytes_can_hold(tmp_path):
+@pytest.mark.parametrize("pieces, why", [({}, "cannot decode to"), ({"tile": (16, 16)}, "more than the file")])
+def test_header_claiming_more_than_the_bytes_can_hold(tmp_path, pieces, why):
     path = str(tmp_path / "huge.tif")
-    tifffile.imwrite(path, _random((8, 8), "uint16"), compression="zlib")
-    _overwrite_tag(path, "ImageWidth", 3_000_000)
-    with pytest.raises(LayoutError, match="huge.tif"):
+    tifffile.imwrite(path, _random((8, 8), "uint16"), compression="zlib", **pieces)
+    _overwrite_tag(path, "ImageWidth", 3_000_000)  # one strip of 8 rows: 48 MB from ~100 bytes
+    if pieces:
+        _overwrite_tag(path, "ImageLength", 3_000_000)  # 35 billion tiles
+    with pytest.raises(LayoutError, match=f"huge.tif.*{why}"):
         _open(path)
 
 
@@ -453,5 +457,12 @@ def test_corrupt_header_is_a_layout_error_or_a_correct_read(tmp_path, fuzz_sourc
         except GpulazyError as e:  # the data itself is corrupt: a decode or read error naming the file
             assert "fuzzed.tif" in str(e)
             return
-        ref = tifffile.imread(str(path))  # gpulazy read it: tifffile must agree
+        try:
+            ref = tifffile.imread(str(path))  # gpulazy read it: tifffile must agree
+        except Exception:
+            # tifffile's decoders are stricter about some corrupt *pixel* streams (a zstd frame
+            # longer than its strip); the header both parse must still give the same shape.
+            with tifffile.TiffFile(str(path)) as tif:
+                assert got.shape == tuple(tif.series[0].shape)
+            return
     np.testing.assert_array_equal(got, ref)

@@ -102,7 +102,6 @@ class TiffLayout(Layout):
         count = min(len(f) for f in per_file)  # levels every file has
         out = [_to_index([f[i] for f in per_file], self.name, chunks, dtype if i == 0 else None,
                          shape if i == 0 else None) for i in range(count)]
-        _scale_levels(out)
         return out
 
 
@@ -169,7 +168,8 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
                 if not 0 <= lv < len(s.levels):
                     raise LayoutError(f"TIFF {path!r} series {series} has {len(s.levels)} pyramid level(s); "
                                       f"level={lv} does not exist")
-                found.append(_level(path, (path, st.st_size, st.st_mtime_ns), s.levels[lv], meta))
+                found.append(_level(path, (path, st.st_size, st.st_mtime_ns), s.levels[lv],
+                                    _level_metadata(meta, s, s.levels[lv])))
             return found
     except (LayoutError, OSError):
         raise
@@ -203,6 +203,7 @@ def _level(path: str, identity: tuple, s: Any, meta: dict) -> _Found:
         if inserted is None:
             return _reshaped(path, identity, s, shape, dtype, codec, meta)
         npages = len(s)
+    _check_counts(path, identity[1], npages, geometry.nsegments, kf.nbytes if truncated else 0)
     offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path, truncated)
     _check_pieces(path, identity[1], offsets, counts, geometry, dtype, codec)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, codec,
@@ -291,6 +292,15 @@ def _geometry(kf: Any, path: str) -> _Geometry:
                      (where.index(2) if not kf.is_tiled else None), math.prod(grid5[:4]), in_order=in_order)
 
 
+def _check_counts(path: str, size: int, npages: int, nseg: int, page_nbytes: int) -> None:
+    """Refuse, before allocating tables for them, more pieces than the file has room to describe."""
+    # Each piece has an offset and a byte count of >= 2 bytes each in some IFD; the pages of
+    # a truncated series (no IFDs of their own) must each fit their data in the file.
+    if nseg > size // 4 or (page_nbytes == 0 and npages * nseg > size // 4) or npages * page_nbytes > size:
+        raise LayoutError(f"TIFF {path!r} ({size} bytes) claims {npages} page(s) of {nseg} strips/tiles each, "
+                          "more than the file can hold; its header is corrupt")
+
+
 def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str, truncated: bool
             ) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets, counts)`` of every page's segments; zeros for a page the series lacks."""
@@ -308,6 +318,9 @@ def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str, truncated: bool
     for i, page in enumerate(s):
         if page is None:
             continue
+        if page.parent is not s.parent:  # multi-file OME-TIFF: this page's offsets are in another file
+            raise LayoutError(f"TIFF {path!r} is a multi-file OME-TIFF (page {i} lies in "
+                              f"{page.parent.filehandle.path!r}); not supported yet: open a single-file one")
         off, cnt = page.dataoffsets, page.databytecounts
         if len(off) != nseg or len(cnt) != nseg:
             raise LayoutError(f"TIFF {path!r} page {i} has {len(off)} data offsets and {len(cnt)} byte counts; "
@@ -459,6 +472,15 @@ def _imagej_metadata(meta: dict, kf: Any) -> dict:
     return {"scale": scale, "units": units}
 
 
+def _level_metadata(meta: dict, top: Any, level: Any) -> dict:
+    """A pyramid level's scale: full resolution's times how much smaller the level is along each axis."""
+    scale = meta.get("scale")
+    if not scale or level is top or level.axes != top.axes:
+        return meta
+    factor = {a.lower(): n / m for a, n, m in zip(top.axes, top.shape, level.shape) if m}
+    return {**meta, "scale": {a: v * factor.get(a, 1.0) for a, v in scale.items()}}
+
+
 def _attrs(f: _Found, stacked: bool, stored: tuple[int, ...]) -> dict:
     axes = (("i",) if stacked else ()) + tuple(a.lower() for a in f.axes)
     out: dict = {"axes": axes, "codec": f.codec_name, "stored_chunks": stored}
@@ -470,21 +492,6 @@ def _attrs(f: _Found, stacked: bool, stored: tuple[int, ...]) -> dict:
     if f.attrs.get("name"):
         out["name"] = f.attrs["name"]
     return out
-
-
-def _scale_levels(levels: list[Index]) -> None:
-    """A pyramid level's scale: full resolution's times how much smaller the level is per axis."""
-    top = levels[0]
-    scale = top.attrs.get("scale") or (1.0,) * top.ndim
-    for idx in list(levels[1:]):
-        if idx.ndim != top.ndim:
-            continue
-        factors = tuple(a / b if b else 1.0 for a, b in zip(top.shape, idx.shape))
-        attrs = dict(idx.attrs)
-        attrs["scale"] = tuple(s * f for s, f in zip(scale, factors))
-        if "units" in top.attrs:
-            attrs["units"] = top.attrs["units"]
-        levels[levels.index(idx)] = replace(idx, attrs=attrs)
 
 
 # -- the index ------------------------------------------------------------------------------

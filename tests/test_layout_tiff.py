@@ -16,6 +16,7 @@ import gpulazy  # noqa: E402
 from gpulazy import layouts  # noqa: E402
 from gpulazy.errors import GpulazyError, LayoutError  # noqa: E402
 from gpulazy.testing import LayoutConformance  # noqa: E402
+from conftest import to_host  # noqa: E402
 
 
 def _write(path, array: np.ndarray, **kw) -> str:
@@ -195,6 +196,19 @@ def test_rgb_predictor_and_jpeg(tmp_path):
         assert _specs(arr)[0].codec[0].id == "imagecodecs_jpeg"
 
 
+@pytest.mark.parametrize("kw", [{}, {"compression": "zlib", "predictor": True, "tile": (16, 16)},
+                                {"compression": "lzw", "rowsperstrip": 5}], ids=["plain", "zlib-pred-tiles", "lzw"])
+def test_reads_on_each_device(tmp_path, device, kw):
+    if kw.get("compression") == "lzw":
+        pytest.importorskip("imagecodecs")
+    path = str(tmp_path / "d.tif")
+    tifffile.imwrite(path, _random((4, 40, 30), "uint16"), photometric="minisblack", **kw)
+    arr = gpulazy.from_files(path, device=device, cache=False, chunks=(3, 16, 30))
+    ref = tifffile.imread(path)
+    np.testing.assert_array_equal(to_host(arr.compute()), ref)
+    np.testing.assert_array_equal(to_host(arr[1:, 5:].compute()), ref[1:, 5:])
+
+
 # -- the fast path: plain byte ranges -------------------------------------------------------------
 
 def test_uncompressed_contiguous_file_is_plain_ranges(tmp_path):
@@ -364,6 +378,21 @@ def test_byte_counts_that_do_not_match(tmp_path):
     _overwrite_tag(path, "StripByteCounts", (100, 60, 100, 100))
     with pytest.raises(LayoutError, match=r"short.tif.*piece 1 has 60 bytes.*needs 100"):
         _open(path)
+    _overwrite_tag(path, "StripByteCounts", (100, 0, 100, 100))
+    with pytest.raises(LayoutError, match=r"short.tif.*piece 1 \(0 bytes at offset \d+\) has no bytes"):
+        _open(path)
+
+
+def test_sparse_tiles_read_as_fill_like_tifffile(tmp_path):
+    path = str(tmp_path / "sparse.tif")
+    tifffile.imwrite(path, _random((40, 40), "uint16"), tile=(16, 16), compression="zlib")
+    with tifffile.TiffFile(path) as tif:
+        offsets, counts = list(tif.pages[0].dataoffsets), list(tif.pages[0].databytecounts)
+    offsets[4], counts[4] = 0, 0  # the middle tile was never written (GDAL's SPARSE_OK)
+    _overwrite_tag(path, "TileOffsets", tuple(offsets))
+    _overwrite_tag(path, "TileByteCounts", tuple(counts))
+    arr = _check(path)
+    assert (arr.compute()[16:32, 16:32] == 0).all()
 
 
 @pytest.mark.parametrize("pieces, why", [({}, "cannot decode to"), ({"tile": (16, 16)}, "more than the file")])

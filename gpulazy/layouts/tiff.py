@@ -157,8 +157,8 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
     """Each requested level (``None``: all) of ``series`` in ``path``, checked against the file size."""
     import tifffile
 
+    st = os.stat(path)  # a missing or unreadable file is an OSError of its own (resolve_paths checked)
     try:
-        st = os.stat(path)
         with tifffile.TiffFile(path) as tif:
             s = _series(tif, path, series)
             chosen = range(len(s.levels)) if levels is None else levels
@@ -171,11 +171,11 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
                 found.append(_level(path, (path, st.st_size, st.st_mtime_ns), s.levels[lv],
                                     _level_metadata(meta, s, s.levels[lv])))
             return found
-    except (LayoutError, OSError):
+    except LayoutError:
         raise
     except Exception as e:
-        # tifffile raises many kinds (TiffFileError, struct.error, IndexError, KeyError,
-        # ValueError...) on a corrupt header: all mean the same thing to the caller.
+        # tifffile raises many kinds (TiffFileError, struct.error, IndexError, KeyError, ValueError,
+        # OSError from a seek to a negative offset...) on a corrupt header: all mean the same here.
         raise LayoutError(f"cannot parse the TIFF header of {path!r}: {type(e).__name__}: {e}") from e
 
 
@@ -339,9 +339,10 @@ def _check_pieces(path: str, size: int, offsets: np.ndarray, counts: np.ndarray,
     bad = (present & ((offsets < 8) | (offsets + counts > size))) | (counts < 0) | ((counts == 0) & (offsets != 0))
     if np.any(bad):
         page, seg = np.argwhere(bad)[0].tolist()
-        raise LayoutError(f"TIFF {path!r} page {page} piece {seg}: {counts[page, seg]} bytes at offset "
-                          f"{offsets[page, seg]} lie outside the file ({size} bytes); the file is truncated "
-                          "or its header is corrupt")
+        off, cnt = int(offsets[page, seg]), int(counts[page, seg])
+        what = "has no bytes but an offset" if cnt == 0 else f"lies outside the file ({size} bytes)"
+        raise LayoutError(f"TIFF {path!r} page {page} piece {seg} ({cnt} bytes at offset {off}) {what}; the file "
+                          "is truncated or its header is corrupt")
     need = _raw_sizes(g, dtype)
     if codec is None:
         short = present & (counts < need[None, :])
@@ -437,7 +438,7 @@ def _metadata(tif: Any, s: Any, series: int) -> dict:
             return _ome_metadata(tif.ome_metadata, series)
         if tif.is_imagej and tif.imagej_metadata:
             return _imagej_metadata(tif.imagej_metadata, s.keyframe)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError):
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError, SyntaxError):
         pass  # metadata we cannot read costs the scale, not the data
     return {}
 

@@ -383,6 +383,15 @@ def test_byte_counts_that_do_not_match(tmp_path):
         _open(path)
 
 
+def test_pages_stored_unlike_the_first_are_refused(tmp_path):
+    path = str(tmp_path / "mixed.tif")
+    tifffile.imwrite(path, _random((3, 20, 10), "uint16"), imagej=True)
+    with tifffile.TiffFile(path, mode="r+") as tif:
+        tif.pages[1].tags["Compression"].overwrite(8)
+    with pytest.raises(LayoutError, match="mixed.tif.* page 1 is stored unlike page 0"):
+        _open(path)
+
+
 def test_sparse_tiles_read_as_fill_like_tifffile(tmp_path):
     path = str(tmp_path / "sparse.tif")
     tifffile.imwrite(path, _random((40, 40), "uint16"), tile=(16, 16), compression="zlib")

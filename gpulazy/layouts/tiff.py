@@ -304,6 +304,8 @@ def _check_counts(path: str, size: int, npages: int, nseg: int, page_nbytes: int
 def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str, truncated: bool
             ) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets, counts)`` of every page's segments; zeros for a page the series lacks."""
+    from tifffile import TiffPage  # a TiffFrame shares its keyframe's tags; a TiffPage has its own
+
     offsets = np.zeros((npages, nseg), np.int64)
     counts = np.zeros((npages, nseg), np.int64)
     if truncated:
@@ -321,6 +323,9 @@ def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str, truncated: bool
         if page.parent is not s.parent:  # multi-file OME-TIFF: this page's offsets are in another file
             raise LayoutError(f"TIFF {path!r} is a multi-file OME-TIFF (page {i} lies in "
                               f"{page.parent.filehandle.path!r}); not supported yet: open a single-file one")
+        if page is not kf and isinstance(page, TiffPage) and _decoding(page) != _decoding(kf):
+            raise LayoutError(f"TIFF {path!r} page {i} is stored unlike page 0 of its series ({_decoding(page)} "
+                              f"vs {_decoding(kf)}); pages that differ in layout or compression are not supported")
         off, cnt = page.dataoffsets, page.databytecounts
         if len(off) != nseg or len(cnt) != nseg:
             raise LayoutError(f"TIFF {path!r} page {i} has {len(off)} data offsets and {len(cnt)} byte counts; "
@@ -328,6 +333,12 @@ def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str, truncated: bool
         offsets[i] = off
         counts[i] = cnt
     return offsets, counts
+
+
+def _decoding(page: Any) -> tuple:
+    """What decoding a page's pieces depends on."""
+    return (page.shaped, page.dtype, page.compression, page.predictor, page.fillorder, page.planarconfig,
+            page.tile if page.is_tiled else page.rowsperstrip)
 
 
 def _check_pieces(path: str, size: int, offsets: np.ndarray, counts: np.ndarray, g: _Geometry,

@@ -349,11 +349,15 @@ def test_missing_codec_package_is_named(tmp_path, monkeypatch):
 
     path = str(tmp_path / "lzw.tif")
     tifffile.imwrite(path, _random((10, 10), "uint16"), compression="lzw")
+    predicted = str(tmp_path / "pred.tif")
+    tifffile.imwrite(predicted, _random((10, 10), "uint16"), compression="zlib", predictor=True)
     monkeypatch.setitem(sys.modules, "imagecodecs", None)
     host._build.cache_clear()
     try:
         with pytest.raises(LayoutError, match=r"lzw.tif.*LZW.*pip install imagecodecs"):
             _open(path)
+        with pytest.raises(LayoutError, match=r"pred.tif.*tiff_predictor.*pip install imagecodecs"):
+            _open(predicted)
     finally:
         host._build.cache_clear()
 

@@ -311,6 +311,7 @@ class LayoutConformance:
       equals what was written, in shape, dtype (native byte order) and values;
     - every dask chunk is a union of whole stored pieces (``Index.attrs["stored_chunks"]``)
       for any ``chunks=`` spelling;
+    - ``layouts.levels(path)`` starts with the full resolution ``index(path)`` gives;
     - each ``ChunkSpec`` survives pickle with the same key and dask token, and the
       ``Index`` token is the same for two indexings of the same files;
     - a damaged file (``damage``) raises a gpulazy error naming a file of the dataset,
@@ -432,6 +433,13 @@ class LayoutConformance:
             assert all(e % s == 0 for e in inner_edges), (axis, sizes, s)
         assert set(idx.specs) == set(itertools.product(*(range(len(c)) for c in idx.chunks)))
         self.check_values(path, array, chunks=chunks)
+
+    def test_levels_start_with_full_resolution(self, tmp_path):
+        from gpulazy import layouts
+
+        path = self.make(tmp_path, self.random_array((12, 10), "uint16", 8))
+        levels = layouts.levels(path, layout=self.layout_name, **self.open_kwargs)
+        assert levels and levels[0].token() == self.index(path).token()
 
     # -- values travel ----------------------------------------------------------------------
     def test_specs_pickle_and_tokenize(self, tmp_path):

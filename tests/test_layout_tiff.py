@@ -209,6 +209,26 @@ def test_reads_on_each_device(tmp_path, device, kw):
     np.testing.assert_array_equal(to_host(arr[1:, 5:].compute()), ref[1:, 5:])
 
 
+def test_jpeg_ycbcr_subsampled(tmp_path):
+    pytest.importorskip("imagecodecs")
+    path = str(tmp_path / "ycbcr.tif")
+    rgb = _random((40, 48, 3), "uint8", 4)
+    tifffile.imwrite(path, rgb, photometric="ycbcr", compression="jpeg", subsampling=(2, 2), tile=(16, 16))
+    _check(path)  # decoded to RGB by imagecodecs, as tifffile does
+
+
+def test_second_ome_series(tmp_path):
+    path = str(tmp_path / "two.ome.tif")
+    first, second = _random((20, 10), "uint16", 1), _random((2, 20, 10), "uint8", 2)
+    with tifffile.TiffWriter(path, ome=True) as tif:
+        tif.write(first, photometric="minisblack")
+        tif.write(second, photometric="minisblack", metadata={"axes": "CYX", "PhysicalSizeX": 3.0})
+    np.testing.assert_array_equal(_open(path).compute(), first)
+    arr = _open(path, series=1)
+    np.testing.assert_array_equal(arr.compute(), second)
+    assert arr.attrs["axes"] == ("c", "y", "x") and arr.attrs["scale"] == (1.0, 1.0, 3.0)
+
+
 # -- the fast path: plain byte ranges -------------------------------------------------------------
 
 def test_uncompressed_contiguous_file_is_plain_ranges(tmp_path):

@@ -21,10 +21,30 @@ def _strip_crc32c(data: np.ndarray, codec: Codec, expected: int) -> np.ndarray:
     return data[:-4]
 
 
+def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int) -> np.ndarray:
+    # TIFF predictors work along each row of a strip/tile (params dtype, width, samples, kind
+    # 2 = horizontal differencing, 3 = floating point; dist). imagecodecs' delta_decode and
+    # floatpred_decode are what tifffile uses; they run on native-order values, so the bytes
+    # go to native order and back to the file's (the pipeline byte-swaps after decoding).
+    import imagecodecs
+
+    dt = np.dtype(codec.get("dtype"))
+    width, samples, dist = int(codec.get("width")), int(codec.get("samples")), int(codec.get("dist", 1))
+    data = data[:expected]  # a decompressor may return a few bytes more; tifffile drops them too
+    values = data.view(dt.newbyteorder("=") if codec.get("kind") == 3 else dt).reshape(-1, width, samples)
+    values = values.astype(dt.newbyteorder("="), copy=True)  # writable, native
+    undo = imagecodecs.floatpred_decode if codec.get("kind") == 3 else imagecodecs.delta_decode
+    values = undo(values, axis=-2, dist=dist, out=values)
+    return values.astype(dt, copy=False).reshape(-1).view(np.uint8)
+
+
 #: Steps gpulazy decodes itself: ``fn(data, codec, expected_nbytes) -> uint8 array``.
 SPECIAL: dict[str, Callable[[np.ndarray, Codec, int], np.ndarray]] = {
     "crc32c": _strip_crc32c,
+    "tiff_predictor": _tiff_predictor,
 }
+#: The package a special step needs, for ``unsupported_reason``.
+_SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs"}
 
 
 def decode(data: Any, codec: Sequence[Codec], expected: int | None) -> np.ndarray:
@@ -85,7 +105,7 @@ class _Imagecodec:
 def unsupported_reason(c: Codec) -> str:
     """Why ``c`` cannot be decoded on the host here, or ``""`` when it can."""
     if c.id in SPECIAL:
-        return ""
+        return _missing(_SPECIAL_NEEDS.get(c.id))
     try:
         _build(c)
     except ImportError as e:
@@ -95,3 +115,11 @@ def unsupported_reason(c: Codec) -> str:
         return (f"{type(e).__name__}: {e}; no installed codec library knows it (numcodecs, imagecodecs: "
                 "pip install numcodecs imagecodecs)")
     return ""
+
+
+def _missing(package: str | None) -> str:
+    import importlib.util
+
+    if package is None or importlib.util.find_spec(package) is not None:
+        return ""
+    return f"it needs the package {package!r}; install it with: pip install {package}"

@@ -41,6 +41,7 @@ __all__ = [
 _BUILTIN = {
     "npy": "gpulazy.layouts.npy:NpyLayout",
     "raw": "gpulazy.layouts.raw:RawLayout",
+    "tiff": "gpulazy.layouts.tiff:TiffLayout",
     "zarr": "gpulazy.layouts.zarr:ZarrLayout",
 }
 

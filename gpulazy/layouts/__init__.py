@@ -72,12 +72,13 @@ def guess_layout(path: str, *, dtype: Any = None) -> Layout:
         cls = layout_class(name)
         if cls.guessable and cls.guess_can_open(path):
             return cls()
-    if dtype is not None:
+    if dtype is not None or layout_class("raw").guess_can_open(path):  # raw last: a sidecar is a weak sign
         return layout_class("raw")()
     known = [n for n in layout_names() if n != "raw"]
     raise LayoutError(
         f"cannot tell how to read {path!r}: it is none of the known formats ({', '.join(known)}); "
-        "to read it as raw binary, pass dtype= (and shape=, offset= for a header)")
+        "to read it as raw binary, pass dtype= (and shape=, offset= for a header) or write a sidecar "
+        f"{path + '.json'!r}")
 
 
 def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Index:

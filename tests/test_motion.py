@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import gpulazy
 from gpulazy.motion import MotionPredictor, MotionPrefetch, plane_specs
+from test_cache import wait_idle
 
 
 def _feed(p: MotionPredictor, events) -> list[bool]:
@@ -115,16 +115,6 @@ def volume(tmp_path):
     return path, data
 
 
-def _settle(cache, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = cache.stats()
-        if s["queued"] == 0 and s["in_flight"] == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"prefetch did not settle: {cache.stats()}")
-
-
 def test_stepping_forward_hits_prefetched_chunks_and_stays_in_budget(volume):
     path, data = volume
     chunk = 2 * 16 * 16 * 4                                              # 2 planes per chunk
@@ -137,7 +127,7 @@ def test_stepping_forward_hits_prefetched_chunks_and_stays_in_budget(volume):
             np.testing.assert_array_equal(vol[z].compute(), data[z])     # what the viewer shows
             warm.update(0.05 * k, (z, 0, 0), axis=0, displayed=(1, 2))
             peak = max(peak, warm._plan.outstanding_bytes)
-            _settle(cache)
+            wait_idle(cache)
         s = cache.stats()
         assert peak <= cache.capacity // 2
         assert s["misses"] <= 2 and s["hit_rate"] >= 0.9, s                # only the first chunk was cold
@@ -170,7 +160,7 @@ def test_jump_cancels_queued_reads(volume):
             assert r["cancelled"] >= queued_before - 1                  # every queued read near plane 3
             assert r["planes"][:2] == [51, 49]
             gate.set()
-            _settle(cache)
+            wait_idle(cache)
             near_old = [i for i in loaded if i[0] < 20]
             assert len(near_old) <= 2, loaded                           # at most the reads already running
             assert {(51, 0, 0), (49, 0, 0)} <= set(loaded)
@@ -186,11 +176,11 @@ def test_new_axis_of_motion_restarts_the_predictor(volume):
         vol = gpulazy.from_files(path, chunks=(4, 4, 16), device="cpu", cache=cache)
         warm = MotionPrefetch(vol, depth=2)
         warm.update(0.0, (3, 5, 0), axis=0, displayed=(1, 2))
-        _settle(cache)
+        wait_idle(cache)
         r = warm.update(0.1, (3, 3, 0), axis=1, displayed=(0, 2))     # the user rolled the dims
         assert r["planes"] == [4, 2] and warm.predictor.position == 3
         assert r["issued"] == 15                                        # 16 blocks at y 4..7; one warmed already
-        _settle(cache)
+        wait_idle(cache)
         assert all(s in cache for s in plane_specs(vol.chunks, vol.chunk_index.specs, (None, 4, None)))
     finally:
         cache.close()

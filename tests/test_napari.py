@@ -373,10 +373,26 @@ def test_sample_volume_is_raw_with_a_sidecar(tmp_path):
 
 # -- a real viewer under Xvfb ----------------------------------------------------------------------
 
-@pytest.fixture
-def real_viewer():
+@pytest.fixture(scope="session")
+def _qt_can_start():
+    """Whether Qt starts on this display (a missing xcb library aborts the process, so ask a child)."""
     if not os.environ.get("DISPLAY"):
-        pytest.skip("no X display: install Debian's xvfb (pytest-xvfb starts it) to run real-viewer tests")
+        return "no X display: install Debian's xvfb (pytest-xvfb then starts it) to run real-viewer tests"
+    probe = "from qtpy.QtWidgets import QApplication; QApplication([])"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, QT_QPA_PLATFORM="xcb"))
+    if r.returncode != 0:
+        return ("Qt cannot start on this display (install xvfb libxcb-icccm4 libxcb-keysyms1 libxcb-xinerama0): "
+                + r.stderr.strip()[-300:])
+    return None
+
+
+@pytest.fixture
+def real_viewer(_qt_can_start, request):
+    """``(viewer, qtbot)``; qtbot is asked for only once Qt is known to start (a session-scoped
+    QApplication made without a display aborts the whole run)."""
+    if _qt_can_start:
+        pytest.skip(_qt_can_start)
     from qtpy.QtWidgets import QApplication
 
     app = QApplication.instance()
@@ -387,14 +403,15 @@ def real_viewer():
 
     # Shown on the virtual display: a canvas never shown is never drawn (its screenshot is black).
     viewer = napari.Viewer(show=True)
-    yield viewer
+    yield viewer, request.getfixturevalue("qtbot")
     import napari_gpulazy
 
     napari_gpulazy.detach(viewer)
     viewer.close()
 
 
-def test_real_viewer_opens_steps_prefetches_and_screenshots(real_viewer, qtbot, tmp_path):
+def test_real_viewer_opens_steps_prefetches_and_screenshots(real_viewer, tmp_path):
+    real_viewer, qtbot = real_viewer
     import napari_gpulazy
     from napari_gpulazy._sample import write_sample_volume
 
@@ -419,7 +436,8 @@ def test_real_viewer_opens_steps_prefetches_and_screenshots(real_viewer, qtbot, 
     assert (ARTIFACTS / "napari.png").stat().st_size > 1000
 
 
-def test_dock_widget_shows_figures_and_sets_controls(real_viewer, qtbot, volume):
+def test_dock_widget_shows_figures_and_sets_controls(real_viewer, volume):
+    real_viewer, qtbot = real_viewer
     from napari_gpulazy._widget import GpulazyWidget
 
     path, _ = volume

@@ -64,11 +64,15 @@ class HostView:
         The counter shared by a view and its slices.
     """
 
-    def __init__(self, array: Any, *, label: str, target: Any = None, transfers: Transfers | None = None):
+    def __init__(self, array: Any, *, label: str, target: Any = None, transfers: Transfers | None = None,
+                 key: tuple | None = None):
         self.array = array
         self.label = label
         self.target = target
         self.transfers = transfers if transfers is not None else Transfers()
+        #: ``(base, per-axis int or range)`` when this view is a plain box of a gpulazy
+        #: array: it is then read chunk by chunk from the cache, without a dask graph.
+        self._direct = key
 
     # -- the array-like surface napari reads ------------------------------------------------
     @property
@@ -98,7 +102,8 @@ class HostView:
         return f"<gpulazy HostView {self.shape} {self.dtype} of {self.label}>"
 
     def __getitem__(self, key: Any) -> HostView:
-        return HostView(self.array[key], label=self.label, transfers=self.transfers)
+        direct = _box(self.array, key) if self._direct is None and self.target is self.array else None
+        return HostView(self.array[key], label=self.label, transfers=self.transfers, key=direct)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         host = self.to_host()
@@ -107,13 +112,72 @@ class HostView:
     def to_host(self) -> np.ndarray:
         """Compute the region on its device and copy just it to the host."""
         try:
-            region = self.array.compute(scheduler="threads")
+            region = _read_box(*self._direct) if self._direct is not None else \
+                self.array.compute(scheduler="threads")
         except Exception as e:
             notify_read_error(self.label, e)
             raise
         host = _host_copy(region)
         self.transfers.add(host.nbytes)
         return host
+
+
+
+def _box(array: Any, key: Any) -> tuple | None:
+    """``(array, [int | range per axis])`` for a basic index (ints, step-1 slices, ``...``), else None."""
+    if getattr(array, "chunk_index", None) is None:
+        return None
+    key = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in key) > 1:
+        return None
+    if Ellipsis in key:
+        i = key.index(Ellipsis)
+        key = key[:i] + (slice(None),) * (array.ndim - len(key) + 1) + key[i + 1:]
+    key = key + (slice(None),) * (array.ndim - len(key))
+    if len(key) != array.ndim:
+        return None
+    out: list[int | range] = []
+    for k, n in zip(key, array.shape):
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool) and -n <= k < n:
+            out.append(int(k) % n)
+        elif isinstance(k, slice) and k.step in (None, 1):
+            out.append(range(*k.indices(n)))
+        else:
+            return None  # fancy, stepped or out of range: dask handles (or refuses) it
+    return array, out
+
+
+def _read_box(array: Any, box: list) -> Any:
+    """The box of ``array``, its chunks read through the cache, copying out only what is inside."""
+    import itertools
+
+    source = array.chunk_source
+    cache = source.cache_instance()
+    edges = [np.cumsum((0,) + tuple(c)) for c in array.chunks]
+    spans = [range(b, b + 1) if isinstance(b, int) else b for b in box]
+    blocks = [range(int(np.searchsorted(e, s.start, "right")) - 1, int(np.searchsorted(e, max(s.stop - 1, s.start),
+                                                                                       "right")))
+              if len(s) else range(0) for e, s in zip(edges, spans)]
+    pieces = []
+    for idx in itertools.product(*blocks):
+        region = tuple(slice(max(s.start, e[i]) - e[i], min(s.stop, e[i + 1]) - e[i])
+                       for s, e, i in zip(spans, edges, idx))
+        spec = array.chunk_index.specs[idx]
+        piece = cache.get_region(spec, source.read, region) if cache is not None else source.read(spec)[region]
+        pieces.append((idx, region, piece))
+    if len(pieces) == 1:
+        out = pieces[0][2]
+    else:  # a box across chunks: assembled on the device, then copied out once
+        from gpulazy.device import get_device
+
+        dev = get_device(source.device)
+        with dev.activate():
+            out = dev.xp.empty(tuple(len(s) for s in spans), dtype=array.dtype)
+            for idx, region, piece in pieces:
+                at = tuple(slice(e[i] + r.start - s.start, e[i] + r.stop - s.start)
+                           for s, e, i, r in zip(spans, edges, idx, region))
+                out[at] = piece
+    return out[tuple(0 if isinstance(b, int) else slice(None) for b in box)]
 
 
 def _host_copy(region: Any) -> np.ndarray:

@@ -506,3 +506,34 @@ def test_dock_widget_shows_figures_and_sets_controls(real_viewer, volume):
     assert widget.set_capacity("64 MiB") and gpulazy.config.get("cache") == 64 << 20
     assert not widget.set_capacity("lots") and "not changed" in widget.status_label.text()
     widget.grab().save(str(Path(ARTIFACTS.mkdir(exist_ok=True) or ARTIFACTS) / "napari-dock.png"))
+
+
+# -- on a GPU (skipped, visibly, without one) ----------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_display_path_prefetch_and_pyramid(model, tmp_path):
+    import napari_gpulazy
+    from napari_gpulazy import read_layers
+
+    data = np.random.default_rng(6).random((24, 64, 48), dtype="f4")
+    p = str(tmp_path / "g.npy")
+    np.save(p, data)
+    cache = gpulazy.DeviceCache("64 MiB", device="cuda:0")
+    try:
+        napari_gpulazy.attach(model, depth=4)
+        ((view, kwargs, _),) = read_layers(p, device="cuda:0", cache=cache, chunks=(4, 64, 48))
+        assert view.target.chunk_source.device == "cuda:0"
+        layer = model.add_image(view, **kwargs)
+        view.transfers.reset()                                          # napari's contrast guess read it all
+        for z in range(2, 20):
+            model.dims.set_current_step(0, z)
+            np.testing.assert_array_equal(_shown(layer), data[z])      # CuPy chunks, host plane
+            wait_idle(cache)
+        s = cache.stats()
+        assert s["prefetch_hits"] >= 3 and view.transfers.largest == data[0].nbytes, s
+        np.testing.assert_array_equal(np.asarray(view[3:9, 10:20, 5]), data[3:9, 10:20, 5])  # across chunks
+        ((levels, _, _),) = read_layers(p, device="cuda:0", cache=cache, pyramid_min_side=32, prefetch=False)
+        want = data[5].reshape(32, 2, 24, 2).mean(axis=(1, 3))
+        np.testing.assert_allclose(np.asarray(levels[1][5]), want, rtol=1e-6)  # means taken on the GPU
+    finally:
+        cache.close()

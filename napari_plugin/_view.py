@@ -2,9 +2,12 @@
 
 napari renders host arrays: slicing calls ``np.asarray(data[slices])``, and CuPy refuses
 implicit conversion. ``HostView`` wraps the lazy device array: indexing stays lazy, and
-``np.asarray`` computes only the selected region (its chunks come from the gpulazy device
-cache, which keeps them whole for the next plane and for computation) and copies only
-that region to the host. ``HostView.transfers`` counts what crossed.
+``np.asarray`` reads only the selected region and copies only it to the host. A plain box
+(ints and step-1 slices) of a gpulazy array is read chunk by chunk straight from the device
+cache (``DeviceCache.get_region``: the chunk stays whole in the cache for the next plane and
+for computation, and only the box is copied out), with no dask graph per plane; anything else
+(a pyramid level, fancy indexing) is computed by dask. ``HostView.transfers`` counts what
+crossed to the host.
 
 A read error during that conversion reaches the user as a napari notification naming the
 file, then propagates (never a zero-filled plane).
@@ -122,7 +125,6 @@ class HostView:
         return host
 
 
-
 def _box(array: Any, key: Any) -> tuple | None:
     """``(array, [int | range per axis])`` for a basic index (ints, step-1 slices, ``...``), else None."""
     if getattr(array, "chunk_index", None) is None:
@@ -155,9 +157,7 @@ def _read_box(array: Any, box: list) -> Any:
     cache = source.cache_instance()
     edges = [np.cumsum((0,) + tuple(c)) for c in array.chunks]
     spans = [range(b, b + 1) if isinstance(b, int) else b for b in box]
-    blocks = [range(int(np.searchsorted(e, s.start, "right")) - 1, int(np.searchsorted(e, max(s.stop - 1, s.start),
-                                                                                       "right")))
-              if len(s) else range(0) for e, s in zip(edges, spans)]
+    blocks = [_blocks(e, s) for e, s in zip(edges, spans)]
     pieces = []
     for idx in itertools.product(*blocks):
         region = tuple(slice(max(s.start, e[i]) - e[i], min(s.stop, e[i + 1]) - e[i])
@@ -178,6 +178,14 @@ def _read_box(array: Any, box: list) -> Any:
                            for s, e, i, r in zip(spans, edges, idx, region))
                 out[at] = piece
     return out[tuple(0 if isinstance(b, int) else slice(None) for b in box)]
+
+
+def _blocks(edges: np.ndarray, span: range) -> range:
+    """Block indices along one axis (block ``i`` spans ``edges[i]:edges[i + 1]``) that ``span`` meets."""
+    if not len(span):
+        return range(0)
+    first = int(np.searchsorted(edges, span.start, "right")) - 1
+    return range(first, int(np.searchsorted(edges, span.stop - 1, "right")))
 
 
 def _host_copy(region: Any) -> np.ndarray:

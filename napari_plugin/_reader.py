@@ -32,8 +32,8 @@ def napari_get_reader(path: Any) -> Callable[[Any], list[tuple]] | None:
 def resolve_target(path: Any) -> str | list[str] | None:
     """What to hand ``gpulazy.multiscale`` for ``path``, or ``None`` if gpulazy cannot open it.
 
-    A store directory (Zarr) is itself; another directory is its data files (sidecars
-    left out), which must all be of one openable kind; a file is itself when a layout
+    A store directory (Zarr) is itself; another directory is its data files of the
+    most common extension (sidecars and stray files left out), which must be openable; a file is itself when a layout
     recognises it (``.npy``, TIFF, HDF5 by magic bytes; raw by its ``<file>.json``).
     """
     if isinstance(path, (list, tuple)):
@@ -44,7 +44,13 @@ def resolve_target(path: Any) -> str | list[str] | None:
         if _is_store(path):
             return path
         files = _data_files(path)
-        return files if files and _file_openable(files[0]) else None
+        if not files:
+            return None
+        # A folder of slices: the files of its most common extension (a stray README is left out).
+        exts = [os.path.splitext(f)[1].lower() for f in files]
+        common = max(set(exts), key=exts.count)
+        files = [f for f, e in zip(files, exts) if e == common]
+        return files if _file_openable(files[0]) else None
     return path if os.path.isfile(path) and _file_openable(path) else None
 
 

@@ -184,6 +184,7 @@ def test_folder_of_raw_slices_with_sidecars_stacks(model, tmp_path):
     for i, a in enumerate(planes):
         a.tofile(folder / f"z{i}.raw")
         write_sidecar(str(folder / f"z{i}.raw"), shape=(6, 5), dtype="u2")
+    (folder / "notes.txt").write_text("acquired on a Tuesday")     # not a slice: left out
     layer = _open(model, str(folder))
     assert layer.data.shape == (5, 6, 5) and layer.name == "slices"
     model.dims.set_current_step(0, 3)

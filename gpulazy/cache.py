@@ -302,6 +302,21 @@ class DeviceCache:
                     result = entry.array
             return self._copy_out(result, entry)
 
+    def get_region(self, spec: ChunkSpec, load: Loader, region: tuple) -> Any:
+        """``get(spec, load)[region]`` as the caller's own array, copying only ``region`` on a hit.
+
+        For viewers: one plane of a cached chunk is copied out, not the whole chunk
+        (``get`` copies all of it). A miss loads and caches the chunk as ``get`` does.
+        """
+        with self._lock:
+            entry = self._entries.get(spec.key)
+            if entry is not None:
+                self._count_hit(spec.key, entry, None)
+                entry.pins += 1
+        if entry is not None:
+            return self._copy_out(entry.array[region], entry)
+        return self.get(spec, load)[region]
+
     def read_into(self, spec: ChunkSpec, out: Any) -> bool:
         """Copy the cached chunk ``spec`` into ``out`` if it is cached.
 

@@ -75,7 +75,7 @@ def guess_layout(path: str, *, dtype: Any = None) -> Layout:
         cls = layout_class(name)
         if cls.guessable and cls.guess_can_open(path):
             return cls()
-    if dtype is not None:
+    if dtype is not None or layout_class("raw").guess_can_open(path):  # raw last: a sidecar is a weak sign
         return layout_class("raw")()
     from gpulazy.layouts._sniff import describe
 

@@ -2,11 +2,14 @@
 
 One file is the whole array (``shape`` is its shape); several files each hold one
 array of ``shape`` and stack along a new axis 0. Every file's size must be exactly
-``offset + prod(shape) * itemsize``, checked when indexing (not at compute).
+``offset + prod(shape) * itemsize``, checked when indexing (not at compute). Without a
+``dtype``, the first file's sidecar ``<file>.json`` says how to read the files
+(``gpulazy/layouts/_sidecar.py``); options given explicitly win over it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any, Sequence
@@ -14,8 +17,9 @@ from typing import Any, Sequence
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_order, check_shape, stacks
+from gpulazy.layouts._sidecar import read_sidecar, sidecar_path, write_sidecar
 
-__all__ = ["RawLayout"]
+__all__ = ["RawLayout", "read_sidecar", "write_sidecar"]
 
 
 class RawLayout(Layout):
@@ -24,7 +28,8 @@ class RawLayout(Layout):
     Options of ``index``: ``dtype`` (required; byte order honoured, ``">u2"``),
     ``shape`` (of one file; default 1-D from the file size), ``offset`` (header bytes
     to skip, default 0), ``order`` (``"C"`` or ``"F"``), ``chunks`` (dask-style),
-    ``stack`` (see ``Layout.index``).
+    ``stack`` (see ``Layout.index``). Without ``dtype`` they come from the sidecar
+    ``<first file>.json``, which also gives the index its ``attrs`` (``axes``, ``scale``...).
     """
 
     name = "raw"
@@ -33,12 +38,24 @@ class RawLayout(Layout):
 
     @classmethod
     def guess_can_open(cls, path: str) -> bool:
-        return False
+        return sidecar_path(path) is not None  # bytes alone say nothing; a sidecar does
 
     def index(self, paths: Sequence[str], *, dtype: Any = None, shape: Any = None, offset: int = 0,
-              order: str = "C", chunks: Any = None, stack: bool | None = None, **unknown: Any) -> Index:
+              order: str | None = None, chunks: Any = None, stack: bool | None = None,
+              **unknown: Any) -> Index:
         if unknown:
             raise TypeError(f"the raw layout got unexpected options {sorted(unknown)}")
+        attrs: dict = {}
+        if dtype is None and paths and sidecar_path(paths[0]) is not None:
+            side = read_sidecar(paths[0])
+            dtype, attrs = side.dtype, side.attrs
+            shape = side.shape if shape is None else shape
+            offset = offset or side.offset
+            order = order or side.order
+        order = order or "C"
+        if dtype is None and paths:
+            raise LayoutError(f"raw file {paths[0]!r}: dtype is required; pass dtype= (and shape=), or write "
+                              f"a sidecar {paths[0] + '.json'!r} (see gpulazy.layouts.raw.write_sidecar)")
         dt = check_dtype(dtype)
         order = check_order(order)
         offset = _check_offset(offset)
@@ -56,7 +73,16 @@ class RawLayout(Layout):
                 raise _size_error(p, st.st_size, expected, file_shape, dt, offset, len(paths))
             files.append(FileEntry(p, offset, (p, st.st_size, st.st_mtime_ns)))
         fs = FileStack(tuple(files), file_shape, dt, order, stacked=stacks(stack, paths))
-        return fs.index(chunks, layout=self.name)
+        idx = fs.index(chunks, layout=self.name)
+        return dataclasses.replace(idx, attrs=_stack_attrs(attrs, idx.stacked)) if attrs else idx
+
+
+def _stack_attrs(attrs: dict, stacked: bool) -> dict:
+    """Sidecar attrs (one file's axes) for the array: a stack gains a leading axis."""
+    if not stacked:
+        return dict(attrs)
+    lead = {"axes": "file", "scale": 1.0, "translation": 0.0, "units": ""}
+    return {k: (v if k == "name" else (lead[k], *v)) for k, v in attrs.items()}
 
 
 def _check_offset(offset: Any) -> int:

@@ -1,0 +1,156 @@
+"""Motion-aware prefetch in a viewer: ``viewer.dims`` events feed ``gpulazy.motion``.
+
+``attach(viewer)`` connects one ``ViewerPrefetch`` to ``viewer.dims.events.current_step``
+(after napari's own slicing, so the plane on screen is read first). On each step it
+finds the axis that moved and, for every layer whose data is a gpulazy ``HostView``,
+hands the layer's position in its data to that array's ``MotionPrefetch``.
+
+Works on a ``ViewerModel`` as on a ``Viewer``; imports no Qt.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from gpulazy.motion import MotionPrefetch
+
+__all__ = ["attach", "detach", "ViewerPrefetch", "hook_of"]
+
+_HOOKS: dict[int, ViewerPrefetch] = {}
+
+
+def attach(viewer: Any, *, depth: int | None = None) -> ViewerPrefetch:
+    """The viewer's ``ViewerPrefetch``, connected now if it was not yet (idempotent)."""
+    hook = hook_of(viewer)
+    if hook is None:
+        hook = _HOOKS[id(viewer)] = ViewerPrefetch(viewer, depth=depth)
+    elif depth is not None:
+        hook.depth = depth
+    return hook
+
+
+def hook_of(viewer: Any) -> ViewerPrefetch | None:
+    hook = _HOOKS.get(id(viewer))
+    return hook if hook is not None and hook.viewer is viewer else None
+
+
+def detach(viewer: Any) -> None:
+    hook = _HOOKS.pop(id(viewer), None)
+    if hook is not None:
+        hook.close()
+
+
+class ViewerPrefetch:
+    """Warm the chunks of a viewer's gpulazy layers ahead of its sliders."""
+
+    def __init__(self, viewer: Any, *, depth: int | None = None):
+        self._viewer = weakref.ref(viewer)
+        self._depth = depth
+        self._last = tuple(viewer.dims.current_step)
+        self._warmers: dict[int, tuple[Any, MotionPrefetch]] = {}  # id(array) -> (array, warmer)
+        self.last_result: dict[str, Any] = {}
+        self.errors = 0
+        self.last_error: str | None = None
+        viewer.dims.events.current_step.connect(self._on_step, position="last")
+
+    @property
+    def viewer(self) -> Any:
+        return self._viewer()
+
+    @property
+    def depth(self) -> int | None:
+        return self._depth
+
+    @depth.setter
+    def depth(self, value: int | None) -> None:
+        self._depth = value
+        for _, warmer in self._warmers.values():
+            warmer.depth = value
+
+    def totals(self) -> dict[str, int]:
+        """Events, jumps, chunk reads issued and cancelled, summed over the layers."""
+        out = {"events": 0, "jumps": 0, "issued": 0, "cancelled": 0}
+        for _, warmer in self._warmers.values():
+            for k in out:
+                out[k] += warmer.totals[k]
+        return out
+
+    def close(self) -> None:
+        viewer = self.viewer
+        if viewer is not None:
+            viewer.dims.events.current_step.disconnect(self._on_step)
+        for _, warmer in self._warmers.values():
+            warmer.stop()
+        self._warmers.clear()
+
+    def _on_step(self, event: Any) -> None:
+        viewer = self.viewer
+        if viewer is None:
+            return
+        step = tuple(event.value)
+        moved = [a for a, (x, y) in enumerate(zip(step, self._last)) if x != y]
+        self._last = step
+        if not moved or len(step) != len(viewer.dims.point):
+            return
+        try:
+            self.last_result = self.warm(viewer, moved[0], time.perf_counter())
+        except Exception as e:  # prefetch must never break the viewer
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+
+    def warm(self, viewer: Any, world_axis: int, t: float) -> dict[str, Any]:
+        """Feed the motion along ``world_axis`` to every gpulazy layer's warmer."""
+        from napari_gpulazy._view import HostView
+
+        point = np.asarray(viewer.dims.point, dtype=float)
+        displayed = list(viewer.dims.displayed)
+        result: dict[str, Any] = {}
+        live = set()
+        for layer in viewer.layers:
+            data = layer.data
+            view = data[layer.data_level] if getattr(layer, "multiscale", False) else data
+            if not isinstance(view, HostView) or view.target is None:
+                continue
+            offset = viewer.dims.ndim - layer.ndim  # napari aligns layer axes to the right
+            axis = world_axis - offset
+            shown = [d - offset for d in displayed if d >= offset]
+            if axis < 0 or axis in shown:
+                continue
+            arr = view.target
+            live.add(id(arr))
+            warmer = self._warmer(arr)
+            here = self._index_in(layer, arr, point)
+            result[layer.name] = warmer.update(t, here, axis=axis, displayed=shown)
+        for key in [k for k in self._warmers if k not in live and not self._in_layers(viewer, k)]:
+            self._warmers.pop(key)[1].stop()  # the layer is gone
+        return result
+
+    def _warmer(self, arr: Any) -> MotionPrefetch:
+        entry = self._warmers.get(id(arr))
+        if entry is None or entry[0] is not arr:
+            entry = self._warmers[id(arr)] = (arr, MotionPrefetch(arr, depth=self._depth))
+        return entry[1]
+
+    @staticmethod
+    def _index_in(layer: Any, arr: Any, point: np.ndarray) -> list[int]:
+        # World position -> full-resolution data position -> index in ``arr`` (a stored
+        # pyramid level is smaller by its downsample factor).
+        pos = np.asarray(layer.world_to_data(point), dtype=float)[-arr.ndim:]
+        full = np.asarray(layer.level_shapes[0] if getattr(layer, "multiscale", False) else arr.shape, dtype=float)
+        factor = full / np.maximum(np.asarray(arr.shape, dtype=float), 1)
+        idx = np.floor(pos / factor + 0.5).astype(int)
+        return np.clip(idx, 0, np.asarray(arr.shape) - 1).tolist()
+
+    @staticmethod
+    def _in_layers(viewer: Any, key: int) -> bool:
+        from napari_gpulazy._view import HostView
+
+        for layer in viewer.layers:
+            views = list(layer.data) if getattr(layer, "multiscale", False) else [layer.data]
+            if any(isinstance(v, HostView) and id(v.target) == key for v in views):
+                return True
+        return False

@@ -147,7 +147,8 @@ def describe(path: str, known: Sequence[str]) -> str:
     if fmt is None:
         return (f"cannot tell how to read {path!r}: its first bytes match none of the formats gpulazy "
                 f"recognises ({', '.join(known)}) nor a known other format; to read it as raw binary, pass "
-                "dtype= (and shape=, and offset= for a header)")
+                f"dtype= (and shape=, and offset= for a header) or write a sidecar {path + '.json'!r} "
+                "(gpulazy.layouts.raw.write_sidecar)")
     if fmt.path is not None and os.path.abspath(path) == fmt.path:
         head = f"cannot read {path!r}: it is {_a(fmt.name)}, which"
         target = "it"

@@ -127,9 +127,9 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
     try:
         paths, big_path = _write(tmp.name, planes, shape)
         raw = _raw_reader(dev, xp)
-        with gpulazy.config.set(cache=False):
-            big = gpulazy.from_files(big_path, shape=(planes, *shape), dtype="uint16", device=dev.name)
-            vol = gpulazy.from_files(paths, shape=shape, dtype="uint16", device=dev.name)
+        # No cache: every pass reads (cache=None would mean the default cache, resolved at compute time).
+        big = gpulazy.from_files(big_path, shape=(planes, *shape), dtype="uint16", device=dev.name, cache=False)
+        vol = gpulazy.from_files(paths, shape=shape, dtype="uint16", device=dev.name, cache=False)
         naive = _naive(paths, shape, xp)
         half = planes // 2
 
@@ -177,7 +177,11 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
             def _posttask(self, key, result, dsk, state, worker_id):
                 pass
 
-        for name, make in (("dask ProgressBar", lambda: DaskProgressBar(out=io.StringIO())),
+        from gpulazy.widgets import ProgressBar
+
+        # (dask's own ProgressBar joins its 0.1 s refresh thread at the end of every compute.)
+        for name, make in (("gpulazy ProgressBar", lambda: ProgressBar(terminal=True, file=io.StringIO())),
+                           ("dask ProgressBar", lambda: DaskProgressBar(out=io.StringIO())),
                            ("user Callback", Noop)):
             for what, fn in (("planes compute()", lambda: vol.compute()),
                              ("MIP max(axis=0)", lambda: vol.max(axis=0).compute())):

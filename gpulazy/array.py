@@ -22,11 +22,12 @@ from typing import Any, Iterable
 import numpy as np
 
 from gpulazy import config
-from gpulazy.device import Device, get_device
+from gpulazy.device import Device, get_device, own_stream
 from gpulazy.errors import DeviceError, LayoutError
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
 
-__all__ = ["from_files", "multiscale", "read_file", "read_files", "GpulazyArray", "ChunkSource", "load_chunk", "read_whole"]
+__all__ = ["from_files", "multiscale", "read_file", "read_files", "GpulazyArray", "ChunkSource", "load_chunk",
+           "read_batch", "read_whole"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +61,32 @@ class ChunkSource:
         return self.cache.resolve()
 
     def read(self, spec: ChunkSpec) -> Any:
-        """Read ``spec`` from its files, bypassing any cache."""
+        """Read ``spec`` from its files, bypassing any cache (staged: see config ``staging``)."""
         from gpulazy.io import read_chunk
 
-        return read_chunk(spec, self.backend_instance())
+        return read_chunk(spec, self.backend_instance(), staged=config.get("staging") != "never")
+
+    def load_many(self, specs: tuple[ChunkSpec, ...]) -> list[Any]:
+        """Several chunks' arrays: cached ones from the cache, the others read in one batch.
+
+        The chunks read are offered to the cache afterwards (kept when there is room).
+        """
+        cache = self.cache_instance()
+        arrays: list[Any] = [None] * len(specs)
+        todo = []
+        for i, spec in enumerate(specs):
+            if cache is not None and cache.holds(spec):  # cached, or a prefetch of it is under way
+                arrays[i] = cache.get(spec, self.read)  # a hit (or, if evicted meanwhile, a read)
+            else:
+                todo.append(i)
+        if todo:
+            from gpulazy.io import read_chunks
+
+            read = read_chunks([specs[i] for i in todo], self.backend_instance(),
+                               staged=config.get("staging") != "never")
+            for i, arr in zip(todo, read):
+                arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
+        return arrays
 
     def load(self, spec: ChunkSpec) -> Any:
         """The chunk's array, through the cache when there is one."""
@@ -82,6 +105,16 @@ class ChunkSource:
 def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
     """The dask task that produces one chunk."""
     return source.load(spec)
+
+
+def read_batch(specs: tuple[ChunkSpec, ...], source: ChunkSource) -> list[Any]:
+    """The dask task that reads several chunks in one submission (see ``_ReadLayer``)."""
+    return source.load_many(specs)
+
+
+def pick(batch: list[Any], i: int) -> Any:
+    """Chunk ``i`` of a ``read_batch`` result: the task that stands for one chunk's read."""
+    return batch[i]
 
 
 # -- from_files ---------------------------------------------------------------------------
@@ -219,7 +252,11 @@ def _graph(name: str, specs: dict, source: ChunkSource) -> Any:
     for idx, spec in specs.items():
         key = (name, *idx)
         layer[key] = Task(key, load_chunk, spec, source, _data_producer=True)
-    return HighLevelGraph.from_collections(name, layer, dependencies=())
+    from gpulazy._readlayer import ReadLayer
+
+    return HighLevelGraph({name: ReadLayer(layer)}, {name: set()})
+
+
 
 
 def _check_backend(backend: str | None) -> str | None:
@@ -416,7 +453,8 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
             if not errors:
                 arr = decode(buf, spec, dev)  # byte swaps in place when needed
                 if target is not None:
-                    target[...] = arr
+                    with own_stream(dev):
+                        target[...] = arr
                 if hooks:
                     hooks.posttask((name, *spec.index), view)
         except BaseException as e:  # kept; raised once every read has settled

@@ -75,7 +75,19 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
     "chunk_size": (lambda: 128 << 20, parse_bytes, "target bytes of a default chunk"),
     "cache": (lambda: "25%", _cache_capacity, "capacity of the default device cache ('25%' of free memory, '8 GiB', False)"),
     "prefetch_depth": (lambda: 8, _positive_int, "how many chunk reads the prefetcher runs ahead"),
+    "batch_size": (lambda: 512 << 20, parse_bytes,
+                   "bytes of chunk reads one batched read task submits at once (0: a read task per chunk)"),
+    "staging": (lambda: "tasks", lambda v: _choice(v, ("tasks", "always", "never")),
+                "KvikIO reads through pinned host buffers and gpulazy's non-blocking streams: in chunk "
+                "tasks ('tasks'), always or never (straight into device memory on KvikIO's blocking streams)"),
 }
+
+
+def _choice(value: Any, valid: tuple[str, ...]) -> str:
+    text = str(value).strip().lower()
+    if text not in valid:
+        raise ConfigError(f"expected one of {valid}, got {value!r}")
+    return text
 
 _lock = threading.RLock()
 _values: dict[str, Any] = {}

@@ -214,17 +214,17 @@ def find_reads(task: Any) -> list[tuple[ChunkSpec, Any]]:
     >>> [(s.shape, src.device) for s, src in find_reads(task)]
     [((8,), 'cpu')]
     """
-    from gpulazy.array import load_chunk
+    from gpulazy.array import load_chunk, read_batch
 
     out: list[tuple[ChunkSpec, Any]] = []
-    _walk(task, load_chunk, out, 0)
+    _walk(task, (load_chunk, read_batch), out, 0)
     return out
 
 
 _MAX_NESTING = 64
 
 
-def _walk(obj: Any, load: Callable, out: list, depth: int) -> None:
+def _walk(obj: Any, load: tuple[Callable, Callable], out: list, depth: int) -> None:
     if depth > _MAX_NESTING:
         return
     kind = type(obj)
@@ -254,10 +254,10 @@ def _walk(obj: Any, load: Callable, out: list, depth: int) -> None:
             _walk(v, load, out, depth + 1)
 
 
-def _is_load(func: Any, load: Callable) -> bool:
+def _is_load(func: Any, load: tuple[Callable, Callable]) -> bool:
     while hasattr(func, "func") and hasattr(func, "args") and not hasattr(func, "key"):
         func = func.func  # functools.partial(load_chunk, ...)
-    return func is load
+    return func is load[0] or func is load[1]
 
 
 def _literal(x: Any) -> Any:
@@ -268,8 +268,12 @@ def _literal(x: Any) -> Any:
 def _add_read(args: tuple, kwargs: dict, out: list) -> None:
     spec = _literal(args[0] if args else kwargs.get("spec"))
     source = _literal(args[1] if len(args) > 1 else kwargs.get("source"))
-    if isinstance(spec, ChunkSpec) and source is not None:
-        out.append((spec, source))
+    if source is None:
+        return
+    # ``load_chunk(spec, source)`` or ``read_batch((spec, ...), source)``
+    for s in (spec if isinstance(spec, tuple) else (spec,)):
+        if isinstance(s, ChunkSpec):
+            out.append((s, source))
 
 
 # --------------------------------------------------------------------------- issuing

@@ -169,6 +169,16 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
             lambda: raw(paths[:half], plane_bytes), lambda: naive[:half].compute(), nbytes=half * plane_bytes)
         row("astype(f8).sum()", lambda: big.astype("f8").sum().compute(), lambda: rawv().astype("f8").sum(),
             lambda: naive.astype("f8").sum().compute())
+        # Ablations: the MIP as before this work (a read task per chunk), and without staging.
+        def with_config(fn: Callable, **kv: Any) -> Callable:
+            def run() -> Any:
+                with gpulazy.config.set(**kv):
+                    return fn()
+            return run
+        rows_out["MIP, batch_size=0 (read task per chunk)"] = {
+            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), batch_size=0), repeat, sync))}
+        rows_out["MIP, staging=never (KvikIO's streams)"] = {
+            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), staging="never"), repeat, sync))}
         rows_out["one file compute()"]["naive"] = gbps(
             _best(lambda: xp.asarray(np.fromfile(big_path, np.uint8)), 1, sync))
 

@@ -16,6 +16,19 @@ from gpulazy.array import pick, read_batch
 
 __all__ = ["ReadLayer"]
 
+
+def _prefetch_registered() -> bool:
+    """Whether a ``gpulazy.prefetch`` is active (``with gpulazy.prefetch():``) as dask culls.
+
+    (A prefetch passed as ``compute(callbacks=[p])`` is not visible yet when the graph is
+    culled; it then reads ahead batch by batch.)
+    """
+    from dask.callbacks import Callback
+
+    from gpulazy._hooks import _is_prefetch
+
+    return any(_is_prefetch(cb) for cb in Callback.active)
+
 _MIN_BATCHES = 8
 
 
@@ -29,13 +42,16 @@ class ReadLayer(MaterializedLayer):
     ``batch_size`` bytes of chunks (neighbours in block order, and at most 1/8 of the
     chunks needed) in one submission, and
     one ``pick`` task per chunk under the old key, so downstream tasks are unchanged.
-    ``batch_size=0`` keeps a read task per chunk. (A layer dask merges into another,
+    ``batch_size=0`` keeps a read task per chunk, as does an active ``gpulazy.prefetch``
+    (it overlaps reads with compute chunk by chunk). (A layer dask merges into another,
     as ``fuse_roots`` does for blockwise operations over several inputs, is culled
     as an ordinary layer: one read per chunk, still correct.)
     """
 
     def cull(self, keys: set, all_hlg_keys: Any) -> tuple:
         limit = int(config.get("batch_size"))
+        if limit > 0 and _prefetch_registered():
+            limit = 0  # gpulazy.prefetch reads ahead chunk by chunk: batches would coarsen its window
         mine = ([k for k in self.mapping if k in keys] if len(keys) >= len(self.mapping)
                 else [k for k in keys if k in self.mapping])
         if limit <= 0 or len(mine) < 2:

@@ -105,17 +105,30 @@ class Device:
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
     def synchronize(self) -> None:
-        """Wait for the work this thread queued: its current stream and gpulazy's stream.
+        """Wait for gpulazy's work queued by this thread (and the current stream, if one was set).
 
         Never the legacy default stream or the whole device (see README, "Streams"):
-        other threads' kernels go on meanwhile.
+        other threads' kernels go on meanwhile. The current stream is waited for only when
+        it is a stream of its own (not CuPy's default, the legacy stream).
         """
         if self.is_gpu:
             import cupy
 
             with self.activate():
                 gpulazy_stream(self).synchronize()
-                cupy.cuda.get_current_stream().synchronize()
+                current = cupy.cuda.get_current_stream()
+                if current.ptr != 0:  # 0: the legacy default stream, which every blocking stream joins
+                    current.synchronize()
+
+    def wait_all(self) -> None:
+        """Wait for everything queued on the device, by any thread on any stream.
+
+        For timing (benchmarks, ``gpulazy demo``): gpulazy's read path never calls it.
+        """
+        if self.is_gpu:
+            import cupy
+
+            cupy.cuda.Device(self.index).synchronize()
 
 
 _streams = threading.local()

@@ -176,3 +176,15 @@ def test_import_changes_no_global_behaviour():
             "print(os.environ.get('CUPY_CUDA_PER_THREAD_DEFAULT_STREAM'), dask.config.get('array_optimize', None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split() == ["None", "None"]
+
+
+def test_registered_prefetch_keeps_a_read_task_per_chunk(tmp_path):
+    from dask.callbacks import Callback
+
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    assert _batch_sizes(vol.max(axis=0)) == [2] * 8
+    with gpulazy.prefetch(depth=4):
+        assert _batch_sizes(vol.max(axis=0)) == [1] * 16
+    with Callback():  # any other callback: still batched
+        assert _batch_sizes(vol.max(axis=0)) == [2] * 8

@@ -53,7 +53,12 @@ def test_batched_reads_and_cache_copies_do_not_wait_for_the_legacy_stream(planes
                                  cache=cache)
         specs = tuple(vol.chunk_index.specs.values())
         src = vol.chunk_source
-        src.load_many(specs[:1])  # warm: backend, pinned pool, kernels
+        # Warm: backend, kernels, and the memory pools. (A first cudaMalloc or cudaHostAlloc
+        # is an implicit synchronisation with every stream, the legacy one included; pools
+        # make later reads allocation-free.)
+        src.load_many(specs)
+        src.load_many(specs)
+        cache.clear()
         cp.cuda.Device(0).synchronize()
         ev = _spin_legacy(cp, 3.0)
         t0 = time.perf_counter()
@@ -100,6 +105,10 @@ def test_derived_compute_and_device_synchronize_leave_streams_alone(planes):
     assert cp.cuda.get_current_stream() == before  # the user's current stream is untouched
     ev = _spin_legacy(cp, 2.0)
     gpulazy.get_device("cuda:0").synchronize()
+    with cp.cuda.Stream(non_blocking=True) as mine:  # a stream of the user's own is waited for
+        x = cp.arange(10)
+        gpulazy.get_device("cuda:0").synchronize()
+        assert mine.done and int(x[-1]) == 9
     assert not ev.done, "Device.synchronize waited for the legacy default stream"
     ev.synchronize()
 

@@ -2,7 +2,14 @@
 
 Every chunk task is ``load_chunk(spec, source)``: ``spec`` says where the bytes are,
 ``source`` (a small picklable value) says which device, backend and cache to use in
-whatever process runs the task. The prefetcher recognises read tasks by that function.
+whatever process runs the task. When a compute culls the graph, the reads it needs are
+grouped into ``read_batch`` tasks (``gpulazy._readlayer``). The prefetcher recognises read
+tasks by these two functions.
+
+Streams: a chunk a task returns is complete on every CUDA stream and thread. gpulazy's
+own device work runs on this thread's non-blocking ``gpulazy_stream`` and the task waits
+for that stream (never the device, never the legacy default stream) before returning;
+your current stream is left as it is. See README, "Streams".
 """
 
 from __future__ import annotations
@@ -70,6 +77,16 @@ class ChunkSource:
         """Several chunks' arrays: cached ones from the cache, the others read in one batch.
 
         The chunks read are offered to the cache afterwards (kept when there is room).
+        Every array returned is complete on every stream: staged copies and byte swaps ran
+        on this thread's ``gpulazy_stream``, which was waited for.
+
+        Examples
+        --------
+        >>> import gpulazy, numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.raw"); np.arange(8, dtype="u1").tofile(p)
+        >>> vol = gpulazy.from_files(p, dtype="u1", chunks=4, device="cpu", cache=False)
+        >>> [a.tolist() for a in vol.chunk_source.load_many(tuple(vol.chunk_index.specs.values()))]
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
         """
         cache = self.cache_instance()
         arrays: list[Any] = [None] * len(specs)
@@ -103,12 +120,15 @@ class ChunkSource:
 
 
 def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
-    """The dask task that produces one chunk."""
+    """The dask task that produces one chunk (complete on every stream when it returns)."""
     return source.load(spec)
 
 
 def read_batch(specs: tuple[ChunkSpec, ...], source: ChunkSource) -> list[Any]:
-    """The dask task that reads several chunks in one submission (see ``_ReadLayer``)."""
+    """The dask task that reads several chunks in one submission (see ``gpulazy._readlayer``).
+
+    Returns their arrays in order, each complete on every stream (``ChunkSource.load_many``).
+    """
     return source.load_many(specs)
 
 

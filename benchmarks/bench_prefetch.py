@@ -64,8 +64,18 @@ def make_compute(xp: Any, iters: int, mode: str, sleep_s: float):
 
     def _busy(block):
         x = block
-        for _ in range(iters):
-            x = xp.sqrt(x * x + 1.0)
+        if mode == "matmul":  # GPU-bound: a few large kernels, the host idle meanwhile
+            n = min(block.shape)
+            sq = block[:n, :n]
+            for _ in range(iters):
+                x = sq @ sq
+        elif mode == "launch":  # launch-bound: many tiny kernels, the host busy in Python
+            x = block[:8, :8]
+            for _ in range(iters):
+                x = x + 1.0
+        else:
+            for _ in range(iters):
+                x = xp.sqrt(x * x + 1.0)
         out = x[:1, :1].copy()
         if xp.__name__ == "cupy":
             xp.cuda.get_current_stream().synchronize()
@@ -78,8 +88,8 @@ def _corner(block):
     return block[:1, :1].copy()
 
 
-def _time_one_iteration(xp: Any, block: Any) -> float:
-    one = make_compute(xp, 1, "xp", 0.0)
+def _time_one_iteration(xp: Any, block: Any, mode: str = "xp") -> float:
+    one = make_compute(xp, 1, mode if mode in ("matmul", "launch") else "xp", 0.0)
     one(block)  # warm-up (kernel compilation on a GPU)
     t0 = time.perf_counter()
     reps = 5
@@ -208,14 +218,14 @@ def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, dept
         return _timed(lambda: mem.map_blocks(busy, dtype=vol.dtype).compute(scheduler=scheduler), repeat)[0]
 
     # Calibrate: a first guess from one iteration, then one correction from a measured pass.
-    t_iter = _time_one_iteration(xp, block)
-    iters = max(1, round(per_chunk_read / t_iter)) if compute.startswith("xp") else 0
+    t_iter = _time_one_iteration(xp, block, compute)
+    iters = max(1, round(per_chunk_read / t_iter)) if compute != "sleep" else 0
     sleep_s = per_chunk_read
     busy = make_compute(xp, iters, compute, sleep_s)
     t_compute = compute_only(busy)
     scale = t_read / t_compute
     if abs(scale - 1) > 0.15:
-        if compute.startswith("xp"):
+        if compute != "sleep":
             iters = max(1, round(iters * scale))
         else:
             sleep_s = max(0.0, sleep_s * (1 + (t_read - t_compute) / chunks / max(sleep_s, 1e-9)))
@@ -310,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-mib", type=float, default=None, help="MiB per chunk (default 16 on a GPU, 1 on CPU)")
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--capacity", default=None, help="cache capacity (default 2 x (depth + 2) chunks)")
-    ap.add_argument("--compute", choices=["xp", "xp-stream", "sleep"], default="xp",
+    ap.add_argument("--compute", choices=["xp", "xp-stream", "matmul", "launch", "sleep"], default="xp",
                     help="xp: array math on the current stream; xp-stream: on a non-blocking CUDA stream "
-                         "per thread; sleep: a calibrated sleep")
+                         "per thread; matmul: GPU-bound matrix products; launch: launch-bound tiny kernels; "
+                         "sleep: a calibrated sleep")
     ap.add_argument("--scheduler", choices=["sync", "threads"], default="sync")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the test file (default: the temp dir)")

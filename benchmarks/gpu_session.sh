@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on a GPU host: the gpu test suite, the benchmarks and the notebooks,
 # with every log and JSON written under $OUT (default ./gpu-out; the device tool brings back 8 files).
-# SKIP_TESTS, SKIP_NOTEBOOKS, SKIP_BENCH, SKIP_PREFETCH=1 leave a step out.
+# SKIP_TESTS, SKIP_NOTEBOOKS, SKIP_BENCH, SKIP_OVERLAP, SKIP_PREFETCH=1 leave a step out.
 # On the offline GPU host begin with the install line of ../shared/tools/gpu-wheels.sh.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -14,6 +14,8 @@ PY
 [ -n "${SKIP_NOTEBOOKS:-}" ] || timeout ${NB_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_notebooks.py 2>&1 | tee "$OUT/notebooks.log"
 ls test-artifacts/*.ipynb >/dev/null 2>&1 && tar czf "$OUT/executed-notebooks.tgz" test-artifacts/*.ipynb
 [ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+[ -n "${SKIP_OVERLAP:-}" ] || timeout ${OVERLAP_TIMEOUT:-240} python3 benchmarks/bench_overlap.py --repeat 3 \
+  --json "$OUT/overlap.json" 2>&1 | tee "$OUT/overlap.log"
 if [ -z "${SKIP_PREFETCH:-}" ]; then
   for sched in sync threads; do
     timeout ${PREFETCH_TIMEOUT:-60} python3 benchmarks/bench_prefetch.py --scheduler $sched --repeat 2 \

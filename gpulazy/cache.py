@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from gpulazy import config
-from gpulazy.device import Device, get_device
+from gpulazy.device import Device, get_device, own_stream
 from gpulazy.errors import ConfigError
 from gpulazy.spec import ChunkSpec
 
@@ -230,6 +230,11 @@ class DeviceCache:
         with self._lock:
             return spec.key in self._entries
 
+    def holds(self, spec: ChunkSpec) -> bool:
+        """Whether ``spec`` is cached or being loaded now (a ``get`` would not start a read)."""
+        with self._lock:
+            return spec.key in self._entries or spec.key in self._jobs
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
@@ -344,7 +349,7 @@ class DeviceCache:
             self._count_hit(key, entry, None)
             entry.pins += 1
         try:
-            with self.device.activate():
+            with own_stream(self.device):
                 self.device.xp.copyto(out, entry.array)
         finally:
             with self._lock:
@@ -503,7 +508,7 @@ class DeviceCache:
 
     def _copy_out(self, array: Any, entry: _Entry | None) -> Any:
         try:
-            with self.device.activate():
+            with own_stream(self.device):  # done before it is handed out: valid on any stream
                 return array.copy(order="K")
         finally:
             if entry is not None:
@@ -526,7 +531,7 @@ class DeviceCache:
         job.future.set_result(cached if cached is not None else array)
         if cached is None and waiters:
             # Waiters copy from ``array``: the caller gets its own copy, not ``array``.
-            with self.device.activate():
+            with own_stream(self.device):
                 return array.copy(order="K")
         return array
 
@@ -557,11 +562,8 @@ class DeviceCache:
             if job.prefetch and _is_compact(array):
                 stored = array
             else:
-                with self.device.activate():
+                with own_stream(self.device):  # other threads' streams read this entry: wait for the copy
                     stored = array.copy(order="K")
-                    if self.device.is_gpu:
-                        # Other threads' streams read this entry: the copy must be done.
-                        self.device.xp.cuda.get_current_stream().synchronize()
         except MemoryError:  # CuPy's OutOfMemoryError too: the caller still gets its array
             with self._lock:
                 self._reserved -= nbytes

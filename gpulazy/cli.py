@@ -311,7 +311,7 @@ def _timed_read(vol: Any, dev: Any) -> tuple[float, int]:
     """Seconds for ``vol.compute()`` (synchronised) and the bytes it produced."""
     t0 = time.perf_counter()
     data = vol.compute()
-    dev.synchronize()
+    dev.wait_all()
     seconds = time.perf_counter() - t0
     return seconds, int(data.nbytes)
 
@@ -338,7 +338,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         read_s, _ = _timed_read(vol, dev)
         t0 = time.perf_counter()
         mip = compute_with_progress(vol.max(axis=0), "max projection")
-        dev.synchronize()
+        dev.wait_all()
         mip_s = time.perf_counter() - t0
         mip_host = mip.get() if hasattr(mip, "get") and not isinstance(mip, np.ndarray) else np.asarray(mip)
         if not np.array_equal(mip_host, expected):

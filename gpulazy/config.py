@@ -88,7 +88,19 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
     "prefetch_depth": (lambda: 8, _positive_int, "how many chunk reads the prefetcher runs ahead"),
     "gpu_decode": (lambda: True, _flag, "decode compressed chunks on the GPU where nvCOMP/CuPy can (False: on the "
                    "host, e.g. for files you do not trust: nvCOMP assumes valid input)"),
+    "batch_size": (lambda: 512 << 20, parse_bytes,
+                   "bytes of chunk reads one batched read task submits at once (0: a read task per chunk)"),
+    "staging": (lambda: "tasks", lambda v: _choice(v, ("tasks", "always", "never")),
+                "KvikIO reads through pinned host buffers and gpulazy's non-blocking streams: in chunk "
+                "tasks ('tasks'), always or never (straight into device memory on KvikIO's blocking streams)"),
 }
+
+
+def _choice(value: Any, valid: tuple[str, ...]) -> str:
+    text = str(value).strip().lower()
+    if text not in valid:
+        raise ConfigError(f"expected one of {valid}, got {value!r}")
+    return text
 
 _lock = threading.RLock()
 _values: dict[str, Any] = {}

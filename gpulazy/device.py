@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import nullcontext
+import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import numpy as np
 
 from gpulazy import config
 from gpulazy.errors import DeviceError
 
-__all__ = ["Device", "get_device", "gpu_count", "gpu_unavailable_reason", "no_gpu_reason"]
+__all__ = ["Device", "get_device", "gpu_count", "gpu_unavailable_reason", "no_gpu_reason", "gpulazy_stream",
+           "own_stream"]
 
 
 @functools.cache
@@ -153,12 +155,72 @@ class Device:
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
     def synchronize(self) -> None:
+        """Wait for gpulazy's work queued by this thread (and the current stream, if one was set).
+
+        Never the legacy default stream or the whole device (see README, "Streams"):
+        other threads' kernels go on meanwhile. The current stream is waited for only when
+        it is a stream of its own (not CuPy's default, the legacy stream).
+        """
         if self.is_gpu:
             import cupy
 
             with self.activate():
-                cupy.cuda.Stream.null.synchronize()
-                cupy.cuda.get_current_stream().synchronize()
+                gpulazy_stream(self).synchronize()
+                current = cupy.cuda.get_current_stream()
+                if current.ptr != 0:  # 0: the legacy default stream, which every blocking stream joins
+                    current.synchronize()
+
+    def wait_all(self) -> None:
+        """Wait for everything queued on the device, by any thread on any stream.
+
+        For timing (benchmarks, ``gpulazy demo``): gpulazy's read path never calls it.
+        """
+        if self.is_gpu:
+            import cupy
+
+            cupy.cuda.Device(self.index).synchronize()
+
+
+_streams = threading.local()
+
+
+@contextmanager
+def own_stream(device: Device) -> Iterator[None]:
+    """Run gpulazy's own device work on ``gpulazy_stream`` and wait for it (that stream only) on exit.
+
+    On ``"cpu"`` a plain context. The work is complete when the block is left, so what
+    it produced can be handed to any stream or thread.
+    """
+    if not device.is_gpu:
+        yield
+        return
+    with device.activate():
+        s = gpulazy_stream(device)
+        with s:
+            yield
+        s.synchronize()
+
+
+def gpulazy_stream(device: Device) -> Any:
+    """This thread's non-blocking CUDA stream on ``device``, for gpulazy's own device work.
+
+    Copies out of the cache, byte swaps and staged host-to-device copies run on it, so
+    they never wait for (or hold up) kernels on CuPy's legacy default stream; a CUDA
+    stream created ``non_blocking`` does not synchronise with the legacy stream. Work on
+    it is waited for (``stream.synchronize()``, this stream only) before a chunk is
+    handed out, so a chunk is complete on every stream. The user's current stream is
+    never changed.
+    """
+    per_thread = getattr(_streams, "by_device", None)
+    if per_thread is None:
+        per_thread = _streams.by_device = {}
+    s = per_thread.get(device.index)
+    if s is None:
+        import cupy
+
+        with device.activate():
+            s = per_thread[device.index] = cupy.cuda.Stream(non_blocking=True)
+    return s
 
 
 _VALID = "'cpu', 'cuda', 'cuda:N' (N a device index), 'gpu' or None"

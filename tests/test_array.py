@@ -163,11 +163,11 @@ def test_fast_path_taken_only_for_plain_local_compute(stack):
         assert vol.compute_path == "fast"
     with dask.config.set(scheduler="processes"):
         assert np.array_equal(vol.compute(), want) and vol.compute_path == "dask"
-    # Active callbacks (progress bars, the prefetcher) see the normal graph run.
+    # Active callbacks (progress bars, the prefetcher) keep the fast path (tests/test_fastpath_callbacks.py).
     from dask.diagnostics import ProgressBar
 
     with ProgressBar(out=open(os.devnull, "w")):
-        assert np.array_equal(vol.compute(), want) and vol.compute_path == "dask"
+        assert np.array_equal(vol.compute(), want) and vol.compute_path == "fast"
     # dask.compute and derived arrays are plain dask.
     assert np.array_equal(dask.compute(vol)[0], want)
     assert type(vol[1:]) is da.Array and type(vol.sum()) is da.Array

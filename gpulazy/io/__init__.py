@@ -13,7 +13,7 @@ from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 from gpulazy.device import Device, get_device
 from gpulazy.errors import BackendUnavailableError
 from gpulazy.io._base import Backend, ReadFuture
-from gpulazy.io._read import decode, read_chunk, submit_chunk
+from gpulazy.io._read import decode, read_chunk, read_chunks, submit_chunk
 
 __all__ = [
     "Backend",
@@ -23,6 +23,7 @@ __all__ = [
     "select_backend",
     "get_backend",
     "read_chunk",
+    "read_chunks",
     "submit_chunk",
     "decode",
 ]

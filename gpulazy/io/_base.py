@@ -152,6 +152,17 @@ class Backend(ABC):
     def submit(self, ranges: Sequence[ByteRange], out: Any) -> ReadFuture:
         """Start reading ``ranges`` concatenated into ``out``; return a ``ReadFuture``."""
 
+    def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None
+                    ) -> list[ReadFuture]:
+        """Start several reads at once: ``[(ranges, out), ...]`` -> one ``ReadFuture`` each.
+
+        Backends that can submit a batch in one go (KvikIO: one waiting thread, open
+        files kept, contiguous ranges merged) override this; the default submits each.
+        ``staged`` asks for reads through pinned host buffers and the backend's own
+        non-blocking streams where the backend has both (``None``: config ``staging``).
+        """
+        return [self.submit(ranges, out) for ranges, out in jobs]
+
     def read_into(self, ranges: Sequence[ByteRange], out: Any) -> int:
         """Read ``ranges`` concatenated into ``out`` and wait; returns bytes read."""
         return self.submit(ranges, out).result()

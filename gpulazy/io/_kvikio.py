@@ -25,6 +25,7 @@ wins; the task size is passed with every ``pread`` instead.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import tempfile
 import threading
@@ -34,9 +35,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gpulazy import config
 from gpulazy.device import Device, gpu_count, gpu_unavailable_reason
 from gpulazy.errors import ChunkReadError
 from gpulazy.io._base import Backend, ReadFuture, open_error, short_read_error
+from gpulazy.io._handles import HandleCache
 from gpulazy.spec import ByteRange
 
 __all__ = ["KvikioBackend"]
@@ -69,6 +72,8 @@ class KvikioBackend(Backend):
         self._monitor_lock = threading.Lock()
         # Threads that wait on KvikIO futures; the I/O itself runs on KvikIO's pool.
         self._waiters = ThreadPoolExecutor(max(4, self.threads), thread_name_prefix=f"gpulazy-kvikio-{device.name}")
+        # Files stay open between reads (thousands of tiles reread the same files).
+        self._handles = HandleCache(lambda path: kvikio.CuFile(path, "r"), lambda f: f.close())
         self._last_mode: str | None = None
 
     # -- capability -----------------------------------------------------------------------
@@ -88,50 +93,98 @@ class KvikioBackend(Backend):
 
     # -- reading --------------------------------------------------------------------------
     def submit(self, ranges: Sequence[ByteRange], out: Any) -> ReadFuture:
+        return self.submit_many([(ranges, out)], staged=False)[0]
+
+    def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None
+                    ) -> list[ReadFuture]:
+        """Every read of ``jobs`` handed to KvikIO by one waiting thread (see ``_read_many``)."""
         self._check_open()
-        nbytes = self._check_out(ranges, out)
-        future = self._waiters.submit(self._read_all, list(ranges), out, nbytes)
-        return ReadFuture([future], lambda values: values[0])
+        jobs = [(_merge(list(ranges)), out, self._check_out(ranges, out)) for ranges, out in jobs]
+        if staged is None:
+            staged = config.get("staging") == "always"
+        future = self._waiters.submit(self._read_many, jobs, bool(staged))
+        return [ReadFuture([future], lambda values, i=i: values[0][i]) for i in range(len(jobs))]
 
     def close(self) -> None:
         super().close()
         self._waiters.shutdown(wait=True)
+        self._handles.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _read_all(self, ranges: list[ByteRange], out: Any, nbytes: int) -> int:
+    def _read_many(self, jobs: list[tuple[list[ByteRange], Any, int]], staged: bool) -> list[int]:
+        """Submit every range of every job, then wait; one thread, so one GIL hand-off per wait.
+
+        ``staged``: KvikIO reads into one pinned host buffer (plain ``pread``s on its
+        thread pool, no CUDA stream of KvikIO's involved), and each job's bytes go to the
+        device by one ``cudaMemcpyAsync`` on gpulazy's non-blocking stream as soon as its
+        reads are in; the thread waits on that stream only. Kernels on CuPy's legacy default
+        stream then never wait for our copies, nor ours for them.
+        """
         started = time.perf_counter()
         before = self._snapshot()
-        handles: dict[str, Any] = {}
-        pending: list[tuple[ByteRange, Any]] = []
+        held: dict[str, Any] = {}
+        pending: list[tuple[int, ByteRange, Any]] = []
         errors: list[BaseException] = []
+        host = None
         try:
             with self.device.activate():
-                dst = 0
-                for r in ranges:
-                    f = handles.get(r.path) or self._open(r.path, handles)
-                    if r.nbytes:
-                        pending.append((r, self._pread(f, r, out[dst: dst + r.nbytes])))
-                    dst += r.nbytes
+                if staged:
+                    host, hview = _pinned(sum(n for _, _, n in jobs))
+                at = 0
+                for j, (ranges, out, nbytes) in enumerate(jobs):
+                    dst = 0
+                    for r in ranges:
+                        h = held.get(r.path) or self._acquire(r.path, held)
+                        if r.nbytes:
+                            dest = hview[at + dst: at + dst + r.nbytes] if staged else out[dst: dst + r.nbytes]
+                            pending.append((j, r, self._pread(h.obj, r, dest)))
+                        dst += r.nbytes
+                    at += nbytes
         except BaseException as e:
             errors.append(e)
-        # Every future is waited on before any handle closes: KvikIO's workers use them.
-        for r, fut in pending:
+        # Every future is waited on before any handle is given back: KvikIO's workers use them.
+        left = [0] * len(jobs)
+        for j, _, _ in pending:
+            left[j] += 1
+        offsets = list(itertools.accumulate((n for _, _, n in jobs), initial=0))
+        stream = _stream(self.device) if staged else None
+        for j, r, fut in pending:
             try:
                 got = fut.get()
+                if got != r.nbytes:
+                    errors.append(short_read_error(r, got, backend=self.name))
             except BaseException as e:
                 errors.append(_read_failure(r, e))
-                continue
-            if got != r.nbytes:
-                errors.append(short_read_error(r, got, backend=self.name))
-        for f in handles.values():
-            f.close()
+            left[j] -= 1
+            if staged and left[j] == 0 and not errors:
+                _copy_async(jobs[j][1], host, offsets[j], jobs[j][2], stream)
+        if staged:
+            try:
+                stream.synchronize()  # our stream only: the copies of this batch have left ``host``
+            except BaseException as e:
+                errors.append(e)
+        for h in held.values():
+            self._handles.release(h)
         if errors:
             self._record_error()
             raise errors[0]
-        mode = self._mode_since(before)
+        nbytes = sum(n for _, _, n in jobs)
+        mode = self._mode_since(before)  # (staged or not, KvikIO's own mode: gds or compat)
         self._last_mode = mode
         self._record(nbytes, started, mode)
-        return nbytes
+        return [n for _, _, n in jobs]
+
+    def _acquire(self, path: str, held: dict[str, Any]) -> Any:
+        # KvikIO raises a bare RuntimeError for a missing file and opens directories;
+        # check first so the error names the path and says what is wrong.
+        if os.path.isdir(path):
+            raise open_error(path, IsADirectoryError(path), backend=self.name)
+        try:
+            h = self._handles.acquire(path)
+        except Exception as e:
+            raise open_error(path, e, backend=self.name) from e
+        held[path] = h
+        return h
 
     def _pread(self, f: Any, r: ByteRange, dest: Any) -> Any:
         # Below gds_threshold KvikIO reads synchronously inside pread(), so an EOF can
@@ -140,18 +193,6 @@ class KvikioBackend(Backend):
             return f.pread(dest, r.nbytes, r.offset, task_size=self.task_size)
         except BaseException as e:
             raise _read_failure(r, e) from e
-
-    def _open(self, path: str, handles: dict[str, Any]) -> Any:
-        # KvikIO raises a bare RuntimeError for a missing file and opens directories;
-        # check first so the error names the path and says what is wrong.
-        if os.path.isdir(path):
-            raise open_error(path, IsADirectoryError(path), backend=self.name)
-        try:
-            f = self._kvikio.CuFile(path, "r")
-        except Exception as e:
-            raise open_error(path, e, backend=self.name) from e
-        handles[path] = f
-        return f
 
     def _snapshot(self) -> Any:
         if self._monitor is None:
@@ -165,6 +206,40 @@ class KvikioBackend(Backend):
         with self._monitor_lock:
             delta = self._monitor.since(before)
         return _mode_from_summary(delta) or _preferred_mode(self._kvikio)
+
+
+def _merge(ranges: list[ByteRange]) -> list[ByteRange]:
+    """Adjacent ranges of one file (each ends where the next starts) as one range: fewer calls."""
+    out: list[ByteRange] = []
+    for r in ranges:
+        last = out[-1] if out else None
+        if last is not None and last.path == r.path and last.offset + last.nbytes == r.offset:
+            out[-1] = ByteRange(r.path, last.offset, last.nbytes + r.nbytes)
+        else:
+            out.append(r)
+    return out
+
+
+def _pinned(nbytes: int) -> tuple[Any, Any]:
+    """A pinned host buffer (from CuPy's pinned pool, reused between batches) and its NumPy view."""
+    import cupy
+
+    mem = cupy.cuda.alloc_pinned_memory(max(1, nbytes))
+    return mem, np.frombuffer(mem, np.uint8, nbytes)
+
+
+def _stream(device: Device) -> Any:
+    from gpulazy.device import gpulazy_stream
+
+    return gpulazy_stream(device)
+
+
+def _copy_async(out: Any, host: Any, at: int, nbytes: int, stream: Any) -> None:
+    import cupy
+
+    if nbytes:
+        cupy.cuda.runtime.memcpyAsync(out.data.ptr, host.ptr + at, nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                                      stream.ptr)
 
 
 def _read_failure(r: ByteRange, exc: BaseException) -> BaseException:

@@ -28,6 +28,7 @@ import numpy as np
 from gpulazy.device import Device
 from gpulazy.errors import BackendUnavailableError, ChunkReadError
 from gpulazy.io._base import Backend, ReadFuture, open_error, short_read_error
+from gpulazy.io._handles import Handle, HandleCache
 from gpulazy.spec import ByteRange
 
 __all__ = ["PosixBackend"]
@@ -82,33 +83,41 @@ def _split(ranges: Sequence[ByteRange], fds: dict[str, int], task_size: int) -> 
     return pieces
 
 
-def _open_all(paths: Sequence[str]) -> dict[str, int]:
-    """One read-only descriptor per distinct path; closes what it opened if one fails."""
-    fds: dict[str, int] = {}
+def _open_fd(path: str) -> int:
+    """A read-only descriptor of ``path``; ChunkReadError naming it if it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise open_error(path, e, backend="posix") from e
+    # os.open succeeds on a directory on Linux; reading it would fail later with EISDIR.
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise open_error(path, IsADirectoryError(path), backend="posix")
+    return fd
+
+
+def _open_all(paths: Sequence[str], handles: HandleCache) -> dict[str, Handle]:
+    """One handle per distinct path from ``handles``; gives back what it took if one fails."""
+    held: dict[str, Handle] = {}
     try:
         for path in paths:
-            if path in fds:
+            if path in held:
                 continue
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as e:
+                held[path] = handles.acquire(path)
+            except ChunkReadError:
+                raise
+            except OSError as e:  # stat failed: missing file, no permission
                 raise open_error(path, e, backend="posix") from e
-            fds[path] = fd
-            # os.open succeeds on a directory on Linux; reading it would fail later with EISDIR.
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise open_error(path, IsADirectoryError(path), backend="posix")
     except BaseException:
-        _close_all(fds)
+        _release_all(handles, held)
         raise
-    return fds
+    return held
 
 
-def _close_all(fds: dict[str, int]) -> None:
-    for fd in fds.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+def _release_all(handles: HandleCache, held: dict[str, Handle]) -> None:
+    for h in held.values():
+        handles.release(h)
 
 
 class _Job:
@@ -118,9 +127,9 @@ class _Job:
     caller's buffer once ``result()`` returns or raises.
     """
 
-    def __init__(self, backend: PosixBackend, fds: dict[str, int], npieces: int, nbytes: int):
+    def __init__(self, backend: PosixBackend, held: dict[str, Handle], npieces: int, nbytes: int):
         self.backend = backend
-        self.fds = fds
+        self.held = held
         self.remaining = npieces
         self.nbytes = nbytes
         self.errors: list[BaseException] = []
@@ -151,7 +160,7 @@ class _Job:
         except BaseException as e:  # a CUDA error surfaces here
             self.errors.append(e)
         finally:
-            _close_all(self.fds)
+            _release_all(self.backend._handles, self.held)
         if self.errors:
             self.backend._record_error()
             self.future.set_exception(_first_error(self.errors))
@@ -203,6 +212,7 @@ class PosixBackend(Backend):
     def __init__(self, device: Device, **kwargs: Any):
         super().__init__(device, **kwargs)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"gpulazy-posix-{device.name}")
+        self._handles = HandleCache(_open_fd, os.close)  # descriptors kept open between reads
         self._ring: _PinnedRing | None = None
         self._ring_lock = threading.Lock()
 
@@ -220,12 +230,12 @@ class PosixBackend(Backend):
         self._check_open()
         nbytes = self._check_out(ranges, out)
         try:
-            fds = _open_all([r.path for r in ranges])
+            held = _open_all([r.path for r in ranges], self._handles)
         except ChunkReadError as e:
             self._record_error()
             return ReadFuture.failed(e)
-        pieces = _split(ranges, fds, self.task_size)
-        job = _Job(self, fds, len(pieces), nbytes)
+        pieces = _split(ranges, {p: h.obj for p, h in held.items()}, self.task_size)
+        job = _Job(self, held, len(pieces), nbytes)
         if not pieces:
             job.finish()
             return ReadFuture([job.future], lambda values: values[0])
@@ -244,7 +254,8 @@ class PosixBackend(Backend):
 
     def close(self) -> None:
         super().close()
-        self._pool.shutdown(wait=True)  # queued pieces finish: their jobs settle, files close
+        self._pool.shutdown(wait=True)  # queued pieces finish: their jobs settle, handles come back
+        self._handles.close()
         with self._ring_lock:
             self._ring = None  # pinned buffers go back to CuPy's pinned pool when collected
 

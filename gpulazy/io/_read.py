@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from gpulazy.device import Device
+from gpulazy.device import Device, own_stream
 from gpulazy.io._base import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_chunk", "submit_chunk", "decode"]
+__all__ = ["read_chunk", "read_chunks", "submit_chunk", "decode"]
 
 
 def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> tuple[ReadFuture, Any]:
@@ -26,11 +26,35 @@ def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> tuple[Re
     return backend.submit(spec.ranges, buf), buf
 
 
-def read_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> Any:
-    """Read and decode one chunk; returns a NumPy or CuPy array of ``spec.shape``."""
-    future, buf = submit_chunk(spec, backend, out)
-    future.result()
-    return decode(buf, spec, backend.device)
+def read_chunk(spec: ChunkSpec, backend: Backend, out: Any = None, *, staged: bool | None = None) -> Any:
+    """Read and decode one chunk; returns a NumPy or CuPy array of ``spec.shape``.
+
+    ``staged``: see ``Backend.submit_many`` (``None``: a plain ``submit``).
+    """
+    if staged is None:
+        future, buf = submit_chunk(spec, backend, out)
+        future.result()
+        return decode(buf, spec, backend.device)
+    return read_chunks([spec], backend, staged=staged)[0]
+
+
+def read_chunks(specs: list[ChunkSpec], backend: Backend, *, staged: bool | None = None) -> list[Any]:
+    """Read and decode several chunks, all submitted in one batch before any is waited on.
+
+    Every read settles before an error is raised, so nothing writes into a dropped buffer.
+    """
+    dev = backend.device
+    bufs = [dev.empty(s.nbytes) for s in specs]
+    futures = backend.submit_many([(s.ranges, b) for s, b in zip(specs, bufs)], staged=staged)
+    errors: list[BaseException] = []
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return [decode(b, s, dev) for s, b in zip(specs, bufs)]
 
 
 def decode(buf: Any, spec: ChunkSpec, device: Device) -> Any:
@@ -53,7 +77,7 @@ def _byteswap(raw: Any, dt: np.dtype, device: Device) -> Any:
     # In place: reverse the bytes of every element. Works for NumPy and CuPy alike
     # (CuPy has no ndarray.byteswap); complex types swap each half on its own.
     unit = dt.itemsize // 2 if dt.kind == "c" else dt.itemsize
-    with device.activate():
+    with own_stream(device):  # not the legacy stream; done before the chunk is handed out
         lanes = raw.reshape(-1, unit)
         lanes[...] = lanes[:, ::-1].copy()
     return raw

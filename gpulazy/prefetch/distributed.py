@@ -12,7 +12,8 @@ not to. Each plugin records how many chunk-reading tasks were waiting on its wor
 each time one started (``summary()["ahead_max"]``, ``["ahead_mean"]``): that is how far
 ahead the worker could see.
 
-This module imports ``distributed``; ``gpulazy.prefetch`` imports it only when asked.
+This module imports ``distributed`` and the planner (``gpulazy.prefetch.plan``);
+``prefetch.install`` imports it only when asked.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Hashable
 from distributed import WorkerPlugin
 
 from gpulazy import config
-from gpulazy.prefetch import ReadAhead, find_reads
+from gpulazy.prefetch.plan import ReadAhead, find_reads
 
 __all__ = ["PrefetchPlugin", "install", "uninstall", "PLUGIN_NAME"]
 

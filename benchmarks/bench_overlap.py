@@ -1,0 +1,294 @@
+"""Every compute path at the raw-read rate (issue 10): derived computes, callbacks, cache, overlap.
+
+Writes ``--planes`` files of ``--mib`` MiB (uint16 planes) and one big file holding the
+same bytes, then times, each beside its naive and raw equivalents in the same run:
+
+- the pinned host->device copy ceiling (GPU);
+- one big file and the many plane files, ``from_files(...).compute()``;
+- a maximum-intensity projection ``planes.max(axis=0)``, a slice ``planes[:half]`` and
+  ``big.astype("f8").sum()``;
+- the whole read and the MIP with a callback active (dask's ``ProgressBar`` and a user's
+  no-op ``Callback``), as a ratio to the same compute without it;
+- a second MIP over data held in a ``DeviceCache`` against re-reading it;
+- read + per-chunk compute with ``gpulazy.prefetch`` (``bench_prefetch.run``), for a
+  GPU-bound (``matmul``) and a launch-bound (``launch``) compute, sync and threaded.
+
+"raw" is KvikIO's ``CuFile.pread`` of every file into one preallocated buffer, all in
+flight (on ``cpu``: ``np.fromfile`` into a buffer), followed by the same xp operation;
+"naive" is ``dask.array`` over ``np.memmap`` with ``map_blocks(xp.asarray)``.
+Rates are GB/s of file bytes; best of ``--repeat``.
+
+    python benchmarks/bench_overlap.py                  # GPU if any: 256 x 16 MiB
+    python benchmarks/bench_overlap.py --device cpu     # small CPU mode: 16 x 1 MiB
+    python benchmarks/bench_overlap.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _best(fn: Callable[[], Any], repeat: int, sync: Callable[[], None]) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        del out
+    return best
+
+
+def _write(directory: str, planes: int, shape: tuple[int, int]) -> tuple[list[str], str]:
+    rng = np.random.default_rng(0)
+    plane = rng.integers(0, 4096, shape, dtype=np.uint16)
+    paths = []
+    big = os.path.join(directory, "big.raw")
+    with open(big, "wb") as fb:
+        for i in range(planes):
+            data = plane + np.uint16(i)  # planes differ, so a wrong plane order shows in the MIP
+            p = os.path.join(directory, f"z{i:05d}.raw")
+            data.tofile(p)
+            data.tofile(fb)
+            paths.append(p)
+    return paths, big
+
+
+def _raw_reader(dev: Any, xp: Any) -> Callable[[list[str], int], Any]:
+    """Read whole files into one preallocated buffer, all in flight: KvikIO, or np.fromfile on CPU."""
+    if not dev.is_gpu:
+        def read(paths: list[str], nbytes: int) -> Any:
+            out = np.empty(nbytes * len(paths), np.uint8)
+            for i, p in enumerate(paths):
+                with open(p, "rb") as f:
+                    f.readinto(memoryview(out)[i * nbytes:(i + 1) * nbytes])
+            return out
+        return read
+    import kvikio
+
+    def read(paths: list[str], nbytes: int) -> Any:
+        out = xp.empty(nbytes * len(paths), np.uint8)
+        files = [kvikio.CuFile(p, "r") for p in paths]
+        futs = [f.pread(out[i * nbytes:(i + 1) * nbytes]) for i, f in enumerate(files)]
+        for fu in futs:
+            fu.get()
+        for f in files:
+            f.close()
+        return out
+    return read
+
+
+def _naive(paths: list[str], shape: tuple[int, int], xp: Any) -> Any:
+    import dask.array as da
+
+    stack = [da.from_array(np.memmap(p, np.uint16, "r", shape=shape), chunks=shape) for p in paths]
+    return da.stack(stack).map_blocks(xp.asarray, dtype=np.uint16)
+
+
+def measure_paths(*, device: str, planes: int, mib: float, repeat: int, directory: str | None) -> dict[str, Any]:
+    import dask
+    import dask.array as da
+    from dask.callbacks import Callback
+    from dask.diagnostics import ProgressBar as DaskProgressBar
+
+    import gpulazy
+    from gpulazy.cache import DeviceCache
+    from gpulazy.device import get_device
+
+    dev = get_device(device)
+    xp = dev.xp
+    cols = 1024
+    rows = max(1, int(mib * (1 << 20)) // (cols * 2))
+    shape = (rows, cols)
+    plane_bytes = rows * cols * 2
+    total = plane_bytes * planes
+    tmp = tempfile.TemporaryDirectory(dir=directory)
+
+    def sync() -> None:
+        if dev.is_gpu:
+            xp.cuda.Device(dev.index).synchronize()
+
+    def gbps(seconds: float, nbytes: int = total) -> float:
+        return nbytes / seconds / 1e9
+
+    rows_out: dict[str, dict[str, float]] = {}
+    try:
+        paths, big_path = _write(tmp.name, planes, shape)
+        raw = _raw_reader(dev, xp)
+        # No cache: every pass reads (cache=None would mean the default cache, resolved at compute time).
+        big = gpulazy.from_files(big_path, shape=(planes, *shape), dtype="uint16", device=dev.name, cache=False)
+        vol = gpulazy.from_files(paths, shape=shape, dtype="uint16", device=dev.name, cache=False)
+        naive = _naive(paths, shape, xp)
+        half = planes // 2
+
+        def rawv() -> Any:
+            return raw(paths, plane_bytes).view(np.uint16).reshape(planes, *shape)
+
+        # Warm up: page cache, allocator pools, kernel compilation (CuPy compiles on first use).
+        for fn in (lambda: vol.compute(), lambda: vol.max(axis=0).compute(), rawv,
+                   lambda: rawv().max(axis=0), lambda: big.astype("f8").sum().compute(),
+                   lambda: rawv().astype("f8").sum(), lambda: vol[:half].compute()):
+            fn()
+            sync()
+
+        if dev.is_gpu:
+            host = xp.cuda.alloc_pinned_memory(total)
+            buf = xp.empty(total, np.uint8)
+            s = xp.cuda.Stream(non_blocking=True)
+
+            def h2d() -> None:
+                xp.cuda.runtime.memcpyAsync(buf.data.ptr, host.ptr, total, xp.cuda.runtime.memcpyHostToDevice, s.ptr)
+                s.synchronize()
+            rows_out["pinned h2d ceiling"] = {"gpulazy": gbps(_best(h2d, repeat, sync))}
+            del host, buf
+
+        def row(name: str, ours: Callable, raw_fn: Callable, naive_fn: Callable | None, nbytes: int = total) -> None:
+            r = {"gpulazy": gbps(_best(ours, repeat, sync), nbytes), "raw": gbps(_best(raw_fn, repeat, sync), nbytes)}
+            if naive_fn is not None:
+                r["naive"] = gbps(_best(naive_fn, 1, sync), nbytes)
+            rows_out[name] = r
+            gc.collect()
+
+        row("one file compute()", lambda: big.compute(), lambda: raw([big_path], total), None)
+        row("planes compute()", lambda: vol.compute(), rawv, lambda: naive.compute())
+        row("MIP max(axis=0)", lambda: vol.max(axis=0).compute(), lambda: rawv().max(axis=0),
+            lambda: naive.max(axis=0).compute())
+        row("[:half] compute()", lambda: vol[:half].compute(),
+            lambda: raw(paths[:half], plane_bytes), lambda: naive[:half].compute(), nbytes=half * plane_bytes)
+        row("astype(f8).sum()", lambda: big.astype("f8").sum().compute(), lambda: rawv().astype("f8").sum(),
+            lambda: naive.astype("f8").sum().compute())
+        # Ablations: the MIP as before this work (a read task per chunk), and without staging.
+        def with_config(fn: Callable, **kv: Any) -> Callable:
+            def run() -> Any:
+                with gpulazy.config.set(**kv):
+                    return fn()
+            return run
+        rows_out["MIP, batch_size=0 (read task per chunk)"] = {
+            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), batch_size=0), repeat, sync))}
+        rows_out["MIP, staging=never (KvikIO's streams)"] = {
+            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), staging="never"), repeat, sync))}
+        rows_out["one file compute()"]["naive"] = gbps(
+            _best(lambda: xp.asarray(np.fromfile(big_path, np.uint8)), 1, sync))
+
+        # Callbacks: the same compute with and without one active.
+        class Noop(Callback):
+            def _posttask(self, key, result, dsk, state, worker_id):
+                pass
+
+        from gpulazy.widgets import ProgressBar
+
+        # (dask's own ProgressBar joins its 0.1 s refresh thread at the end of every compute.)
+        for name, make in (("gpulazy ProgressBar", lambda: ProgressBar(terminal=True, file=io.StringIO())),
+                           ("dask ProgressBar", lambda: DaskProgressBar(out=io.StringIO())),
+                           ("user Callback", Noop)):
+            for what, fn in (("planes compute()", lambda: vol.compute()),
+                             ("MIP max(axis=0)", lambda: vol.max(axis=0).compute())):
+                def with_cb(fn=fn, make=make):
+                    with make():
+                        return fn()
+                t_with = _best(with_cb, repeat, sync)
+                t_without = _best(fn, repeat, sync)
+                rows_out[f"{what} + {name}"] = {"gpulazy": gbps(t_with), "without": gbps(t_without),
+                                                "ratio": t_without / t_with}
+
+        # Recompute from a warm device cache against re-reading from the page cache.
+        cache = DeviceCache(int(total * 1.5), device=dev, name=f"bench-overlap-{os.getpid()}")
+        try:
+            cached = gpulazy.from_files(paths, shape=shape, dtype="uint16", device=dev.name, cache=cache)
+            t_first = _best(lambda: cached.max(axis=0).compute(), 1, sync)
+            t_again = _best(lambda: cached.max(axis=0).compute(), repeat, sync)
+            t_reread = _best(lambda: vol.max(axis=0).compute(), repeat, sync)
+            rows_out["MIP again from DeviceCache"] = {
+                "gpulazy": gbps(t_again), "first": gbps(t_first), "reread": gbps(t_reread),
+                "x_reread": t_reread / t_again, "bytes_held": cache.bytes_held}
+        finally:
+            cache.close()
+        del big, vol, naive
+        gc.collect()
+    finally:
+        tmp.cleanup()
+    return {"device": dev.name, "planes": planes, "plane_bytes": plane_bytes, "total_bytes": total,
+            "dask": dask.__version__, "rows": rows_out}
+
+
+def measure_overlap(*, device: str, repeat: int, computes: list[str], schedulers: list[str],
+                    chunks: int, chunk_mib: float) -> dict[str, Any]:
+    sys.path.insert(0, HERE)
+    import bench_prefetch
+
+    out = {}
+    for compute in computes:
+        for scheduler in schedulers:
+            r = bench_prefetch.run(device=device, chunks=chunks, chunk_mib=chunk_mib, depth=8, compute=compute,
+                                   scheduler=scheduler, repeat=repeat)
+            out[f"{compute}/{scheduler}"] = {k: r[k] for k in (
+                "seconds_read", "seconds_compute", "seconds_naive", "seconds_prefetch", "ratio", "ratio_naive",
+                "hit_rate", "compute_iters")}
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    p = result["paths"]
+    lines = [f"bench_overlap: {p['device']}, {p['planes']} planes x {p['plane_bytes'] / 2**20:.1f} MiB "
+             f"({p['total_bytes'] / 2**30:.2f} GiB), warm page cache, GB/s (best of {result['repeat']})",
+             f"{'path':<42}{'gpulazy':>9}{'raw':>9}{'naive':>9}  notes"]
+    for name, r in p["rows"].items():
+        notes = ", ".join(f"{k} {v:.3g}" for k, v in r.items() if k not in ("gpulazy", "raw", "naive"))
+        lines.append(f"{name:<42}{r['gpulazy']:>9.2f}{r.get('raw', float('nan')):>9.2f}"
+                     f"{r.get('naive', float('nan')):>9.2f}  {notes}")
+    ov = result.get("overlap") or {}
+    if ov:
+        lines.append(f"{'read + compute, prefetch':<30}{'read s':>9}{'comp s':>9}{'naive x':>9}{'prefetch x':>11}"
+                     f"{'hits':>7}   (x = wall / max(read, compute); target <= 1.15)")
+        for name, r in ov.items():
+            lines.append(f"{name:<30}{r['seconds_read']:>9.3f}{r['seconds_compute']:>9.3f}{r['ratio_naive']:>9.2f}"
+                         f"{r['ratio']:>11.2f}{r['hit_rate']:>7.0%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--planes", type=int, default=None, help="default 256 on a GPU, 16 on CPU")
+    ap.add_argument("--mib", type=float, default=None, help="MiB per plane (default 16 on a GPU, 1 on CPU)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--no-overlap", action="store_true", help="leave out the read + compute rows")
+    ap.add_argument("--computes", default=None, help="comma list of bench_prefetch compute kinds")
+    ap.add_argument("--json", default=None, metavar="PATH")
+    args = ap.parse_args(argv)
+
+    from gpulazy.device import get_device, gpu_count
+
+    device = args.device or ("cuda:0" if gpu_count() else "cpu")
+    gpu = get_device(device).is_gpu
+    result: dict[str, Any] = {"repeat": args.repeat, "date": time.strftime("%Y-%m-%d")}
+    result["paths"] = measure_paths(device=device, planes=args.planes or (256 if gpu else 16),
+                                    mib=args.mib or (16.0 if gpu else 1.0), repeat=args.repeat, directory=args.dir)
+    if not args.no_overlap:
+        print(table(result), flush=True)  # early, in case the overlap rows run out of time
+        computes = (args.computes or ("matmul,launch" if gpu else "xp,sleep")).split(",")
+        result["overlap"] = measure_overlap(device=device, repeat=max(1, args.repeat - 1), computes=computes,
+                                            schedulers=["sync", "threads"], chunks=64 if gpu else 16,
+                                            chunk_mib=16.0 if gpu else 0.5)
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``ReadLayer``: the read tasks of one gpulazy array, batched when a compute culls them.
+
+Imports Dask, so ``gpulazy.array`` imports it only when it builds a graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from dask._task_spec import DataNode, Task, TaskRef
+from dask.highlevelgraph import MaterializedLayer
+
+from gpulazy import config
+from gpulazy.array import pick, read_batch
+
+__all__ = ["ReadLayer"]
+
+
+def _prefetch_registered() -> bool:
+    """Whether a ``gpulazy.prefetch`` is active (``with gpulazy.prefetch():``) as dask culls.
+
+    (A prefetch passed as ``compute(callbacks=[p])`` is not visible yet when the graph is
+    culled; it then reads ahead batch by batch.)
+    """
+    from dask.callbacks import Callback
+
+    from gpulazy._hooks import _is_prefetch
+
+    return any(_is_prefetch(cb) for cb in Callback.active)
+
+_MIN_BATCHES = 8
+
+
+class ReadLayer(MaterializedLayer):
+    """The read tasks of one array; culling groups the reads a compute needs into batches.
+
+    Every compute of this array or of anything derived from it (a MIP, a slice, a cast,
+    a reduction, ``map_blocks``) culls the graph first (dask's array optimisation,
+    local and distributed alike). Here culling also replaces the needed
+    ``load_chunk`` tasks by ``read_batch`` tasks, each reading up to config
+    ``batch_size`` bytes of chunks (neighbours in block order, and at most 1/8 of the
+    chunks needed) in one submission, and
+    one ``pick`` task per chunk under the old key, so downstream tasks are unchanged.
+    ``batch_size=0`` keeps a read task per chunk, as does an active ``gpulazy.prefetch``
+    (it overlaps reads with compute chunk by chunk). (A layer dask merges into another,
+    as ``fuse_roots`` does for blockwise operations over several inputs, is culled
+    as an ordinary layer: one read per chunk, still correct.)
+    """
+
+    def cull(self, keys: set, all_hlg_keys: Any) -> tuple:
+        limit = int(config.get("batch_size"))
+        if limit > 0 and _prefetch_registered():
+            limit = 0  # gpulazy.prefetch reads ahead chunk by chunk: batches would coarsen its window
+        mine = ([k for k in self.mapping if k in keys] if len(keys) >= len(self.mapping)
+                else [k for k in keys if k in self.mapping])
+        if limit <= 0 or len(mine) < 2:
+            return super().cull(keys, all_hlg_keys)
+        mine.sort()
+        # At least ~8 batches: reading one batch overlaps computing on the one before (threads,
+        # or gpulazy.prefetch warming the next batch under the sync scheduler).
+        most = max(2, -(-len(mine) // _MIN_BATCHES))
+        groups: list[list] = [[]]
+        size = 0
+        for k in mine:
+            nbytes = self.mapping[k].args[0].nbytes
+            if groups[-1] and (size + nbytes > limit or len(groups[-1]) >= most):
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += nbytes
+        if len(groups) == len(mine):  # every chunk alone in its batch: nothing to gain
+            return super().cull(keys, all_hlg_keys)
+        # Deterministic (client and workers agree), cheap for 100k keys.
+        tag = hashlib.blake2b(repr((len(mine), mine[0], mine[-1], limit)).encode(), digest_size=8).hexdigest()
+        bname = f"read-batch-{mine[0][0]}-{tag}"
+        out: dict = {}
+        for j, group in enumerate(groups):
+            bkey = (bname, j)
+            specs = tuple(self.mapping[k].args[0] for k in group)
+            source = self.mapping[group[0]].args[1]
+            out[bkey] = Task(bkey, read_batch, DataNode(None, specs), source, _data_producer=True)
+            for i, k in enumerate(group):
+                out[k] = Task(k, pick, TaskRef(bkey), i)
+        return MaterializedLayer(out, annotations=self.annotations), {k: set() for k in out}

@@ -1,0 +1,130 @@
+"""A small cache of open file handles, shared by the reads of one backend.
+
+Opening a file per read costs a system call and, with KvikIO, a ``CuFile`` (a cuFile
+handle registration attempt) per read; a volume of thousands of tiles reads the same
+files again and again. Handles stay open here, least recently used closed first, and a
+handle is never closed while a read uses it (reference counts). Before each use the
+file is ``stat``-ed: a different inode, device, size or modification time (the file was
+replaced, truncated or rewritten) retires the old handle and opens the file anew, so a
+cached handle never reads a file that is no longer the one at that path.
+
+Hand-written rather than ``functools.lru_cache``: entries need reference counts and a
+validity check on every use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+__all__ = ["HandleCache", "Handle"]
+
+
+class Handle:
+    """One open file: ``obj`` is what ``open_fn`` returned."""
+
+    __slots__ = ("path", "obj", "ident", "refs", "retired")
+
+    def __init__(self, path: str, obj: Any, ident: tuple):
+        self.path, self.obj, self.ident, self.refs, self.retired = path, obj, ident, 0, False
+
+
+def _ident(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class HandleCache:
+    """Open handles by path, at most ``capacity`` idle ones kept.
+
+    Parameters
+    ----------
+    open_fn, close_fn
+        ``open_fn(path) -> obj`` and ``close_fn(obj)``; ``open_fn`` raises for a file it
+        cannot open.
+    capacity
+        Most handles kept open (handles in use are never closed, so more may be open
+        for a moment).
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.bin"); _ = open(p, "wb").write(b"abc")
+    >>> hc = HandleCache(lambda path: os.open(path, os.O_RDONLY), os.close)
+    >>> h = hc.acquire(p); os.pread(h.obj, 3, 0); hc.release(h)
+    b'abc'
+    >>> hc.acquire(p) is h     # kept open, and still the same file
+    True
+    >>> hc.close()
+    """
+
+    def __init__(self, open_fn: Callable[[str], Any], close_fn: Callable[[Any], None], capacity: int = 256):
+        self._open, self._close = open_fn, close_fn
+        self.capacity = int(capacity)
+        self._lock = threading.Lock()
+        self._handles: OrderedDict[str, Handle] = OrderedDict()
+        self.opened = 0  # files opened so far (tests and stats)
+
+    def acquire(self, path: str) -> Handle:
+        """An open handle of ``path`` as it is now; give it back with ``release``."""
+        ident = _ident(os.stat(path))  # FileNotFoundError etc. reach the caller
+        retired = None
+        with self._lock:
+            h = self._handles.get(path)
+            if h is not None and h.ident == ident:
+                h.refs += 1
+                self._handles.move_to_end(path)
+                return h
+            if h is not None:  # the file at this path changed: never read it through the old handle
+                retired = self._retire(path)
+        if retired is not None:
+            self._close(retired)
+        obj = self._open(path)
+        h = Handle(path, obj, ident)
+        h.refs = 1
+        idle = []
+        with self._lock:
+            self.opened += 1
+            old = self._handles.pop(path, None)
+            if old is not None:  # another thread opened it meanwhile: keep ours, retire theirs
+                old.retired = True
+                if old.refs == 0:
+                    idle.append(old.obj)
+            self._handles[path] = h
+            while len(self._handles) > self.capacity:
+                victim = next((p for p, e in self._handles.items() if e.refs == 0), None)
+                if victim is None:
+                    break
+                idle.append(self._handles.pop(victim).obj)
+        for o in idle:
+            self._close(o)
+        return h
+
+    def release(self, h: Handle) -> None:
+        with self._lock:
+            h.refs -= 1
+            close = h.retired and h.refs == 0
+        if close:
+            self._close(h.obj)
+
+    def _retire(self, path: str) -> Any:
+        # Lock held: drop the entry; return its object if nobody uses it (the caller closes it).
+        h = self._handles.pop(path)
+        h.retired = True
+        return h.obj if h.refs == 0 else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def close(self) -> None:
+        """Close every idle handle; handles in use close when released."""
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            for h in handles:
+                h.retired = True
+            idle = [h.obj for h in handles if h.refs == 0]
+        for o in idle:
+            self._close(o)

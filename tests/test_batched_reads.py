@@ -1,0 +1,190 @@
+"""Derived computes read their chunks in batches (``ReadLayer``), through kept file handles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpulazy
+from gpulazy.array import read_batch
+from gpulazy.io import get_backend
+from gpulazy.io._handles import HandleCache
+from gpulazy.spec import ByteRange
+
+from conftest import to_host
+
+
+def _planes(tmp_path, n=8, shape=(4, 6), dtype="<u2"):
+    data = (np.arange(n * shape[0] * shape[1]) * 7 % 1000).astype(dtype).reshape(n, *shape)
+    paths = []
+    for i in range(n):
+        p = os.path.join(tmp_path, f"z{i:03d}.raw")
+        data[i].tofile(p)
+        paths.append(p)
+    return paths, data
+
+
+def _tasks(arr, func):
+    (opt,) = dask.optimize(arr)
+    return [k for k, t in dict(opt.__dask_graph__()).items() if getattr(t, "func", None) is func]
+
+
+def _batch_sizes(arr):
+    """Chunks read by each read task of ``arr``'s optimised graph (also inside fused tasks)."""
+    from gpulazy.prefetch import find_reads
+
+    (opt,) = dask.optimize(arr)
+    return [len(find_reads(t)) for t in dict(opt.__dask_graph__()).values() if find_reads(t)]
+
+
+def test_derived_computes_read_in_batches_and_equal_numpy(tmp_path, device):
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device=device, cache=False)
+    mip = vol.max(axis=0)
+    assert _batch_sizes(mip) == [2] * 8  # 16 chunks read by 8 batch tasks (>= 8 batches)
+    assert np.array_equal(to_host(mip.compute()), data.max(axis=0))
+    assert np.array_equal(to_host(vol[3:11].compute()), data[3:11])
+    assert to_host(vol.astype("f8").sum().compute()) == data.astype("f8").sum()
+    got = vol.map_blocks(lambda b: b * 2, dtype="u2").compute(scheduler="sync")
+    assert np.array_equal(to_host(got), data * 2)
+    with gpulazy.config.set(batch_size=0):  # the switch: a read task per chunk again
+        assert not _tasks(vol.max(axis=0), read_batch)
+        assert np.array_equal(to_host(vol.max(axis=0).compute()), data.max(axis=0))
+
+
+def test_batch_size_bounds_each_batch(tmp_path):
+    paths, data = _planes(tmp_path, n=64)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    with gpulazy.config.set(batch_size=3 * 48):
+        sizes = _batch_sizes(vol.sum())
+        assert max(sizes) == 3 and sum(sizes) == 64
+        assert int(vol.sum().compute()) == int(data.astype("u8").sum())
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(2, 12), c0=st.integers(1, 5), c1=st.integers(1, 4), lo=st.integers(0, 11), batch=st.integers(1, 400))
+def test_batched_slices_equal_the_files(tmp_path_factory, n, c0, c1, lo, batch):
+    tmp = tmp_path_factory.mktemp("b")
+    paths, data = _planes(tmp, n=n)
+    lo = min(lo, n - 1)
+    with gpulazy.config.set(batch_size=batch):
+        vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(c0, c1, 6), device="cpu", cache=False)
+        assert np.array_equal(vol[lo:, 1:].compute(scheduler="sync"), data[lo:, 1:])
+        assert np.array_equal(vol.max(axis=1).compute(), data.max(axis=1))
+
+
+def test_batches_fill_and_then_hit_the_cache(tmp_path):
+    paths, data = _planes(tmp_path, n=16)
+    cache = gpulazy.DeviceCache("1 MiB", device="cpu", name="test-batched-cache")
+    try:
+        vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=cache)
+        assert np.array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+        s = cache.stats()
+        assert s["misses"] == 16 and s["loads"] == 16 and len(cache) == 16
+        assert np.array_equal(vol.min(axis=0).compute(), data.min(axis=0))
+        assert cache.stats()["hits"] == 16 and cache.stats()["loads"] == 16  # nothing read again
+    finally:
+        cache.close()
+
+
+def test_a_read_error_in_a_batch_names_the_file(tmp_path):
+    paths, _ = _planes(tmp_path, n=8)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    with open(paths[5], "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(gpulazy.errors.ChunkReadError, match="z005.raw"):
+        vol.max(axis=0).compute()
+
+
+def test_distributed_runs_batched_graphs(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=2, dashboard_address=":0"):
+        assert np.array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+
+
+# -- the file handle cache -------------------------------------------------------------------
+
+def test_handle_cache_keeps_files_open_and_reopens_a_changed_file(tmp_path):
+    p = str(tmp_path / "a.bin")
+    with open(p, "wb") as f:
+        f.write(b"old-bytes")
+    hc = HandleCache(lambda path: os.open(path, os.O_RDONLY), os.close, capacity=2)
+    h = hc.acquire(p)
+    assert os.pread(h.obj, 3, 0) == b"old"
+    hc.release(h)
+    assert hc.acquire(p) is h and hc.opened == 1
+    hc.release(h)
+    tmp = str(tmp_path / "a.new")
+    with open(tmp, "wb") as f:
+        f.write(b"new-bytes")
+    os.replace(tmp, p)  # a new inode at the same path
+    h2 = hc.acquire(p)
+    assert h2 is not h and os.pread(h2.obj, 3, 0) == b"new" and hc.opened == 2
+    hc.release(h2)
+    with open(p, "ab") as f:  # same inode, new size
+        f.write(b"!")
+    h3 = hc.acquire(p)
+    assert h3 is not h2 and hc.opened == 3
+    hc.release(h3)
+    hc.close()
+
+
+def test_handle_cache_never_closes_a_handle_in_use(tmp_path):
+    closed = []
+    paths = []
+    for i in range(5):
+        p = str(tmp_path / f"f{i}")
+        open(p, "wb").write(b"x")
+        paths.append(p)
+    hc = HandleCache(lambda path: path, closed.append, capacity=1)
+    held = [hc.acquire(p) for p in paths[:4]]
+    assert closed == []  # over capacity, but every handle is in use
+    for h in held:
+        hc.release(h)
+    hc.acquire(paths[4])  # opening another evicts idle ones down to the capacity
+    assert set(closed) == set(paths[:4])
+
+
+def test_posix_backend_rereads_a_replaced_file(tmp_path):
+    p = str(tmp_path / "r.bin")
+    open(p, "wb").write(bytes(range(16)))
+    be = get_backend("posix", "cpu")
+    out = np.empty(4, np.uint8)
+    be.read_into([ByteRange(p, 0, 4)], out)
+    assert out.tolist() == [0, 1, 2, 3]
+    tmp = str(tmp_path / "r.tmp")
+    open(tmp, "wb").write(bytes(range(100, 116)))
+    os.replace(tmp, p)
+    be.read_into([ByteRange(p, 0, 4)], out)
+    assert out.tolist() == [100, 101, 102, 103]
+
+
+def test_import_changes_no_global_behaviour():
+    # Neither CuPy's stream mode nor dask's array optimisation is switched by gpulazy.
+    code = ("import os, dask, gpulazy, numpy as np, tempfile; d = tempfile.mkdtemp(); "
+            "np.zeros(8, 'u1').tofile(d + '/a'); gpulazy.from_files(d + '/a', dtype='u1', device='cpu').sum().compute(); "
+            "print(os.environ.get('CUPY_CUDA_PER_THREAD_DEFAULT_STREAM'), dask.config.get('array_optimize', None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["None", "None"]
+
+
+def test_registered_prefetch_keeps_a_read_task_per_chunk(tmp_path):
+    from dask.callbacks import Callback
+
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    assert _batch_sizes(vol.max(axis=0)) == [2] * 8
+    with gpulazy.prefetch(depth=4):
+        assert _batch_sizes(vol.max(axis=0)) == [1] * 16
+    with Callback():  # any other callback: still batched
+        assert _batch_sizes(vol.max(axis=0)) == [2] * 8

@@ -98,9 +98,15 @@ class ChunkSource:
                 todo.append(i)
         if todo:
             from gpulazy.io import read_chunks
+            from gpulazy.memory import retry_on_oom
 
-            read = read_chunks([specs[i] for i in todo], self.backend_instance(),
-                               staged=config.get("staging") != "never")
+            batch = [specs[i] for i in todo]
+            first = batch[0]
+            read = retry_on_oom(
+                lambda: read_chunks(batch, self.backend_instance(), staged=config.get("staging") != "never"),
+                device=get_device(self.device), nbytes=sum(s.out_nbytes for s in batch),
+                what=f"reading {len(batch)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
+                else "reading chunks")
             for i, arr in zip(todo, read):
                 arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
         return arrays

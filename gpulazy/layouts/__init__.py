@@ -40,6 +40,7 @@ __all__ = [
 _BUILTIN = {
     "npy": "gpulazy.layouts.npy:NpyLayout",
     "raw": "gpulazy.layouts.raw:RawLayout",
+    "hdf5": "gpulazy.layouts.hdf5:Hdf5Layout",
 }
 
 

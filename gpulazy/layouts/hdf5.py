@@ -54,6 +54,8 @@ _SIGNATURE = b"\x89HDF\r\n\x1a\n"
 #: The superblock may follow a user block of 512, 1024, 2048, ... bytes; probe that far.
 _MAX_USERBLOCK = 1 << 24
 _MAX_LISTED = 40
+#: Every stored chunk becomes a ``Tile``; beyond this many, indexing takes minutes and gigabytes.
+_MAX_STORED_CHUNKS = 20_000_000
 
 _H5_FILTERS = {  # id: name, for messages (https://github.com/HDFGroup/hdf5_plugins registry)
     1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset",
@@ -338,12 +340,13 @@ def _check_decodable(codec: Codec, fid: int, ds: Hdf5Dataset) -> None:
 # -- from metadata to chunk specs -----------------------------------------------------------------
 
 def _check_same(d: Hdf5Dataset, first: Hdf5Dataset) -> None:
-    for what in ("shape", "dtype", "storage", "chunks", "codec"):
+    # One fill value per stack: a block's missing chunks may come from several files.
+    for what in ("shape", "dtype", "storage", "chunks", "codec", "fill_value"):
         a, b = ((d.codec(0), first.codec(0)) if what == "codec" else (getattr(d, what), getattr(first, what)))
-        if a != b:
+        if repr(a) != repr(b):  # repr: a NaN fill value equals itself
             raise LayoutError(f"dataset {d.name!r} of {d.path!r} has {what} {a!r} but {first.name!r} of "
                               f"{first.path!r} has {b!r}; stacked HDF5 files must agree on shape, dtype, "
-                              "storage, chunk shape and filters")
+                              "storage, chunk shape, filters and fill value")
 
 
 def _check_requested(d: Hdf5Dataset, dtype: Any, shape: Any) -> None:
@@ -365,6 +368,11 @@ def _grid_index(found: Sequence[Hdf5Dataset], chunks: Any, layout: str) -> Index
     shape = ((len(found),) + first.shape) if stacked else first.shape
     stored = ((1,) + tuple(stored)) if stacked else tuple(stored)
     native = first.dtype.newbyteorder("=")
+    count = math.prod(-(-n // c) for n, c in zip(shape, stored))
+    if count > _MAX_STORED_CHUNKS:  # a corrupt shape, or a grid too fine to index chunk by chunk
+        raise LayoutError(f"dataset {first.name!r} of {first.path!r} (shape {first.shape}) has {count:,} stored "
+                          f"chunks of {stored}; gpulazy indexes at most {_MAX_STORED_CHUNKS:,} (is the file "
+                          "corrupt? otherwise rechunk it, e.g. h5repack -l CHUNK=...)")
     norm = grid_chunks(shape, stored, native, chunks)
     specs = _specs(found, shape, stored, norm, stacked)
     if specs is None:  # a block mixes chunks stored with different filters skipped

@@ -85,12 +85,15 @@ class Hdf5Dataset:
     filters: tuple[tuple[int, tuple[int, ...]], ...] = ()
     table: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     fill_value: Any = 0
+    _codecs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def codec(self, mask: int = 0) -> tuple[Codec, ...] | None:
         """Decode steps of a chunk stored with filter ``mask`` (bit i: filter i skipped)."""
-        steps = [_filter_codec(fid, cd, self) for i, (fid, cd) in enumerate(self.filters)
-                 if not mask >> i & 1]
-        return tuple(reversed(steps)) or None
+        if mask not in self._codecs:
+            steps = [_filter_codec(fid, cd, self) for i, (fid, cd) in enumerate(self.filters)
+                     if not mask >> i & 1]
+            self._codecs[mask] = tuple(reversed(steps)) or None
+        return self._codecs[mask]
 
 
 class Hdf5Layout(Layout):
@@ -268,35 +271,51 @@ def _check_inside(where: str, offset: int, nbytes: int, size: int, what: str) ->
 
 def _chunk_table(d: Any, where: str, shape: tuple[int, ...], chunks: tuple[int, ...], size: int
                  ) -> dict[tuple[int, ...], tuple[int, int, int]]:
-    """``{grid index: (offset, nbytes, filter_mask)}`` of every allocated chunk."""
-    grid = tuple(-(-n // c) for n, c in zip(shape, chunks))
-    table: dict[tuple[int, ...], tuple[int, int, int]] = {}
+    """``{grid index: (offset, nbytes, filter_mask)}`` of every allocated chunk, checked."""
+    rows: list[tuple] = []
 
-    def add(info: Any) -> None:
-        start = info.chunk_offset
-        if start is None or info.byte_offset is None:
-            return
-        idx = tuple(s // c for s, c in zip(start, chunks))
-        if (len(idx) != len(chunks) or any(s % c for s, c in zip(start, chunks))
-                or any(not 0 <= i < g for i, g in zip(idx, grid)) or idx in table):
-            raise LayoutError(f"the chunk index of {where} lists a chunk at {tuple(start)}, which is not a "
-                              f"distinct chunk of a {shape} array in {chunks} chunks; the file is corrupt")
-        _check_inside(where, int(info.byte_offset), int(info.size), size, f"the chunk at {tuple(start)}")
-        table[idx] = (int(info.byte_offset), int(info.size), int(info.filter_mask))
+    def add(info: Any) -> None:  # runs once per chunk: collect now, check in bulk below
+        if info.chunk_offset is not None and info.byte_offset is not None:
+            rows.append((*info.chunk_offset, info.byte_offset, info.size, info.filter_mask))
 
     if hasattr(d.id, "chunk_iter"):  # one pass over the index (HDF5 >= 1.12.3 / 1.14)
         d.id.chunk_iter(add)
     else:  # get_chunk_info(i) walks the index for each i: slower, same answer
         for i in range(d.id.get_num_chunks()):
             add(d.id.get_chunk_info(i))
-    return table
+    ndim = len(chunks)
+    if not rows:
+        return {}
+    if any(len(r) != ndim + 3 for r in rows):
+        raise LayoutError(f"the chunk index of {where} lists chunks of another rank than the dataset's "
+                          f"{ndim}; the file is corrupt")
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), ndim + 3)
+    start, offset, nbytes = table[:, :ndim], table[:, ndim], table[:, ndim + 1]
+    idx = start // np.array(chunks, dtype=np.int64)
+    grid = np.array([-(-n // c) for n, c in zip(shape, chunks)], dtype=np.int64)
+    bad = ((start % np.array(chunks, dtype=np.int64)).any(axis=1) | (idx < 0).any(axis=1)
+           | (idx >= grid).any(axis=1))
+    if bad.any():
+        at = tuple(start[np.argmax(bad)].tolist())
+        raise LayoutError(f"the chunk index of {where} lists a chunk at {at}, which is not a chunk of a "
+                          f"{shape} array in {chunks} chunks; the file is corrupt")
+    beyond = (offset < 0) | (nbytes < 0) | (offset + nbytes > size)
+    if beyond.any():
+        i = int(np.argmax(beyond))
+        _check_inside(where, int(offset[i]), int(nbytes[i]), size, f"the chunk at {tuple(start[i].tolist())}")
+    keys = list(map(tuple, idx.tolist()))
+    out = dict(zip(keys, map(tuple, table[:, ndim:].tolist())))
+    if len(out) != len(keys):
+        raise LayoutError(f"the chunk index of {where} lists a chunk twice; the file is corrupt")
+    return out
 
 
 def _check_chunk_sizes(ds: Hdf5Dataset, table: dict, where: str) -> None:
     """A chunk stored without filters must hold exactly one chunk's bytes."""
     want = math.prod(ds.chunks or ()) * ds.dtype.itemsize
+    raw = {mask: ds.codec(mask) is None for mask in {m for _, _, m in table.values()}}
     for idx, (offset, nbytes, mask) in table.items():
-        if ds.codec(mask) is None and nbytes != want:
+        if raw[mask] and nbytes != want:
             raise LayoutError(f"the unfiltered chunk {idx} of {where} at offset {offset} holds {nbytes} bytes, "
                               f"expected {want} (chunk shape {ds.chunks} of {ds.dtype.str!r}); the file is corrupt")
 

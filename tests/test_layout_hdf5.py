@@ -151,6 +151,35 @@ def test_chunked_against_h5py(tmp_path, data):
     assert arr.chunk_index.attrs["stored_chunks"] == stored
 
 
+FILTERS = {
+    "gzip+shuffle": dict(compression="gzip", compression_opts=1, shuffle=True),
+    "fletcher32": dict(fletcher32=True),
+    "lzf": dict(compression="lzf"),
+    "zstd": dict(compression=32015, compression_opts=(1,)),  # needs hdf5plugin to write
+}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_filtered_chunks_against_h5py(tmp_path, data):
+    name = data.draw(st.sampled_from(sorted(FILTERS)), label="filter")
+    if name == "zstd":
+        pytest.importorskip("hdf5plugin")
+    ndim = data.draw(st.integers(1, 3), label="ndim")
+    shape = tuple(data.draw(st.lists(st.integers(1, 8), min_size=ndim, max_size=ndim), label="shape"))
+    stored = tuple(data.draw(st.integers(1, n), label="chunk") for n in shape)
+    dtype = data.draw(st.sampled_from([">u2", "<i4", ">f4", "<f8"]), label="dtype")
+    # lzf skips itself on chunks it cannot shrink: blocks must then be single chunks (tested above)
+    free = name != "lzf"
+    dask_chunks = data.draw(st.one_of(st.none(), st.tuples(*(st.integers(1, n) for n in shape))) if free
+                            else st.none(), label="chunks")
+    p = str(tmp_path / f"{uuid.uuid4().hex}.h5")
+    values = _random(shape, dtype, seed=len(p))
+    values.reshape(-1)[::2] = 0  # half zeros: compressible, so most chunks are stored filtered
+    _write(p, data=values, chunks=stored, **FILTERS[name])
+    _assert_same(p, chunks=dask_chunks)
+
+
 def test_whole_rows_of_raw_chunks_become_plain_ranges(tmp_path):
     p = _write(tmp_path / "r.h5", data=_random((12, 5), ">u2"), chunks=(3, 5))
     arr = _assert_same(p, chunks=(6, 5))
@@ -207,6 +236,40 @@ def test_corrupt_chunk_fails_its_checksum(tmp_path):
     arr = gpulazy.from_files(p, dataset="data", device="cpu", cache=False)
     with pytest.raises(ChunkDecodeError, match="f.h5"):
         arr.compute()
+
+
+@pytest.mark.parametrize("opts,dtype", [(("nn", 8), ">i2"), (("ec", 16), "<f4")], ids=["nn", "ec"])
+def test_szip(tmp_path, opts, dtype):
+    pytest.importorskip("imagecodecs")
+    data = (_random((9, 20), "<u2") % 1000).astype(dtype)
+    try:
+        p = _write(tmp_path / "sz.h5", data=data, chunks=(4, 16), compression="szip", compression_opts=opts)
+    except (ValueError, OSError) as e:
+        pytest.skip(f"this h5py cannot write szip: {e}")
+    arr = _assert_same(p)
+    assert arr.chunk_index.attrs["codec"] == "imagecodecs_szip"
+
+
+@pytest.mark.parametrize("deflate", [False, True], ids=["shuffle", "shuffle+deflate"])
+def test_edge_chunks_stored_unfiltered_by_chunk_opts(tmp_path, deflate):
+    # H5Pset_chunk_opts(DONT_FILTER_PARTIAL_CHUNKS): edge chunks raw, filter mask still 0.
+    import ctypes
+
+    lib = ctypes.CDLL(h5py.h5p.__file__)
+    p = str(tmp_path / "pe.h5")
+    with h5py.File(p, "w", libver="latest") as f:
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((4, 4))
+        dcpl.set_shuffle()
+        if deflate:
+            dcpl.set_deflate(1)
+        assert lib.H5Pset_chunk_opts(ctypes.c_int64(dcpl.id), ctypes.c_uint(2)) >= 0
+        tid = h5py.h5t.py_create(np.dtype("<u2"))
+        h5py.h5d.create(f.id, b"data", tid, h5py.h5s.create_simple((10, 9)), dcpl=dcpl)
+        f["data"][...] = _random((10, 9), "<u2")
+    arr = _assert_same(p)
+    edge = [s for s in arr.chunk_index.specs.values() if s.index[0] == arr.numblocks[0] - 1]
+    assert edge and all(s.codec is None for s in edge)
 
 
 hdf5plugin_filters = [

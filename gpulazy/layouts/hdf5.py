@@ -11,13 +11,14 @@ HDF5 filter (id)           decoded as
 deflate / gzip (1)         ``zlib`` (numcodecs; nvCOMP on a GPU)
 shuffle (2)                ``shuffle`` with the filter's element size
 fletcher32 (3)             ``fletcher32`` (checksum verified, then stripped)
+szip (4)                   ``imagecodecs_szip`` (libaec)
 lzf (32000)                ``imagecodecs_lzf``
 blosc (32001)              ``blosc`` (numcodecs)
 lz4 (32004)                ``imagecodecs_lz4h5`` (HDF5's own lz4 framing)
 zstd (32015)               ``zstd``
 =========================  ===============================================
 
-Any other filter (szip, nbit, scale-offset, bitshuffle, blosc2, zfp, ...) is refused at
+Any other filter (nbit, scale-offset, bitshuffle, blosc2, zfp, ...) is refused at
 index time, naming the file, the dataset and the filter. A chunk stored with an optional
 filter skipped (HDF5 does so when e.g. lzf or blosc would grow it) decodes without that
 step. Unallocated chunks read as the dataset's fill value. Several files holding the
@@ -62,7 +63,7 @@ _H5_FILTERS = {  # id: name, for messages (https://github.com/HDFGroup/hdf5_plug
     307: "bzip2", 32000: "lzf", 32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32013: "zfp",
     32015: "zstd", 32017: "sz", 32018: "fcidecomp", 32026: "blosc2", 32028: "sz3",
 }
-_SUPPORTED = "deflate/gzip, shuffle, fletcher32, lzf, blosc, lz4, zstd"
+_SUPPORTED = "deflate/gzip, shuffle, fletcher32, szip, lzf, blosc, lz4, zstd"
 
 
 @dataclass(frozen=True)
@@ -254,8 +255,39 @@ def _storage(d: Any, path: str, size: int) -> Hdf5Dataset:
     ds = Hdf5Dataset(storage="chunked", chunks=chunks, filters=filters, **base)
     ds.codec(0)  # refuse unsupported filters now, before reading the chunk index
     table = {} if unallocated else _chunk_table(d, where, shape, chunks, size)
+    if filters and _partial_chunks_unfiltered(dcpl):
+        # H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS: edge chunks are stored raw, yet their filter mask
+        # says 0; mark every filter skipped so they are not "decoded" (a shuffle would be silent).
+        skipped = (1 << len(filters)) - 1
+        table = {idx: (o, n, skipped if _is_partial(idx, shape, chunks) else m) for idx, (o, n, m) in table.items()}
     _check_chunk_sizes(ds, table, where)
     return dataclasses.replace(ds, table=table)
+
+
+def _partial_chunks_unfiltered(dcpl: Any) -> bool:
+    """Whether the dataset was made with ``H5Pset_chunk_opts(H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS)``.
+
+    h5py does not wrap ``H5Pget_chunk_opts``; call it in the HDF5 library h5py loaded (found
+    through its extension module). Where that fails (HDF5 1.8 has no such option; Windows
+    does not resolve symbols through dependencies) the answer is "no": a raw edge chunk then
+    fails to decode loudly unless the only filters are shuffle/fletcher32.
+    """
+    import ctypes
+
+    import h5py
+
+    try:
+        fn = ctypes.CDLL(h5py.h5p.__file__).H5Pget_chunk_opts
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_uint)]  # hid_t is 64-bit since HDF5 1.10
+    fn.restype = ctypes.c_int
+    opts = ctypes.c_uint(0)
+    return fn(dcpl.id, ctypes.byref(opts)) >= 0 and bool(opts.value & 0x2)
+
+
+def _is_partial(idx: tuple[int, ...], shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
+    return any((i + 1) * c > n for i, c, n in zip(idx, chunks, shape))
 
 
 def _fill(d: Any) -> Any:
@@ -329,6 +361,10 @@ def _filter_codec(fid: int, cd: tuple[int, ...], ds: Hdf5Dataset) -> Codec:
         codec = Codec.of("shuffle", elementsize=cd[0] if cd else ds.dtype.itemsize)
     elif fid == 3:
         codec = Codec.of("fletcher32")
+    elif fid == 4 and len(cd) >= 4:
+        # HDF5's szip filter: a 4-byte size header, then libaec's stream with these parameters.
+        codec = Codec.of("imagecodecs_szip", options_mask=cd[0], pixels_per_block=cd[1], bits_per_pixel=cd[2],
+                         pixels_per_scanline=cd[3], header=True)
     elif fid == 32000:
         codec = Codec.of("imagecodecs_lzf", out=chunk_nbytes)  # raw LZF needs the decoded size
     elif fid == 32001:

@@ -367,6 +367,15 @@ def test_storage_that_has_no_byte_range_is_refused_clearly(tmp_path):
         assert "odd.h5" in str(e.value)
 
 
+def test_external_link_reads_the_target_file(tmp_path):
+    _write(tmp_path / "target.h5", "d", _random((6, 5), ">u2"), chunks=(2, 5))
+    p = str(tmp_path / "links.h5")
+    with h5py.File(p, "w") as f:
+        f["entry/data"] = h5py.ExternalLink("target.h5", "/d")  # found beside the linking file
+    arr = _assert_same(p, "entry/data")
+    assert [os.path.basename(q) for q in arr.chunk_index.paths] == ["target.h5"]
+
+
 def test_options_are_checked(tmp_path):
     p = _write(tmp_path / "o.h5", data=np.zeros((2, 3), "<i2"))
     with pytest.raises(TypeError, match="offset"):

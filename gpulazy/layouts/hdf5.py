@@ -49,7 +49,7 @@ from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_shape, slab_sizes
 from gpulazy.spec import ByteRange, ChunkSpec, Codec, file_identity
 
-__all__ = ["Hdf5Layout", "describe"]
+__all__ = ["Hdf5Layout", "Hdf5Dataset", "describe"]
 
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"
 #: The superblock may follow a user block of 512, 1024, 2048, ... bytes; probe that far.
@@ -154,7 +154,9 @@ def describe(path: str, dataset: str | None = None) -> Hdf5Dataset:
     try:
         with f:
             dset = _pick(f, path, dataset)
-            return _storage(dset, path, os.path.getsize(path))
+            # An external link leads to a dataset of another file: its offsets are in that file.
+            data_path = _target_file(dset, path)
+            return _storage(dset, data_path, os.path.getsize(data_path))
     except LayoutError:
         raise
     except Exception as e:  # a corrupt object header or chunk index fails anywhere inside HDF5
@@ -194,6 +196,13 @@ def _pick(f: Any, path: str, dataset: str | None) -> Any:
         raise LayoutError(f"{dataset!r} in {path!r} is a {type(obj).__name__.lower()}, not a dataset; "
                           f"datasets there: {_listing(f)}")
     return obj
+
+
+def _target_file(d: Any, path: str) -> str:
+    target = d.file.filename
+    if os.path.exists(target) and os.path.samefile(target, path):
+        return path
+    return target
 
 
 def _datasets(f: Any) -> list[Any]:

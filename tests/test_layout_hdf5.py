@@ -324,6 +324,25 @@ def test_missing_imagecodecs_says_what_to_install(tmp_path, monkeypatch):
         host._build.cache_clear()
 
 
+def test_every_storage_on_each_device(tmp_path, device):
+    """Contiguous, chunked with holes, gzip+shuffle+fletcher32 big-endian and lzf with masks."""
+    from conftest import to_host
+
+    p = str(tmp_path / "all.h5")
+    half = _random((8, 6), ">f4")
+    half[:4] = 0  # lzf shrinks the top chunks only
+    with h5py.File(p, "w") as f:
+        f["contiguous"] = _random((5, 7), ">u2")
+        holes = f.create_dataset("holes", shape=(9, 8), dtype="<i2", chunks=(4, 4), fillvalue=-1)
+        holes[:4] = _random((4, 8), "<i2")
+        f.create_dataset("gzip", data=_random((9, 7), ">f8"), chunks=(4, 3), compression="gzip",
+                         compression_opts=1, shuffle=True, fletcher32=True)
+        f.create_dataset("lzf", data=half, chunks=(4, 3), compression="lzf")
+    for name in ("contiguous", "holes", "gzip", "lzf"):
+        arr = gpulazy.from_files(p, dataset=name, device=device, cache=False)
+        np.testing.assert_array_equal(to_host(arr.compute()), _reference(p, name), err_msg=name)
+
+
 # -- choosing the dataset ------------------------------------------------------------------------
 
 def test_dataset_is_optional_when_the_file_holds_one_array(tmp_path):
@@ -421,6 +440,9 @@ def test_stacked_files_must_agree(tmp_path):
         layouts.index([a, b], dataset="d")
     with pytest.raises(LayoutError, match=r"c\.h5.*storage 'chunked'"):
         layouts.index([a, c], dataset="d")
+    renamed = _write(tmp_path / "r.h5", "other", np.zeros((5, 4), "<u2"))
+    with pytest.raises(LayoutError, match=r"r\.h5.*name '/other'.*'/d'"):
+        layouts.index([a, renamed])  # each file's one array, but not the same dataset
     e = _write(tmp_path / "e.h5", "d", shape=(5, 4), dtype="<u2", chunks=(5, 2), fillvalue=1)
     with pytest.raises(LayoutError, match=r"c\.h5.*fill_value 0 .*e\.h5.* 1"):
         layouts.index([e, c], dataset="d")

@@ -405,12 +405,12 @@ def _check_decodable(codec: Codec, fid: int, ds: Hdf5Dataset) -> None:
 
 def _check_same(d: Hdf5Dataset, first: Hdf5Dataset) -> None:
     # One fill value per stack: a block's missing chunks may come from several files.
-    for what in ("shape", "dtype", "storage", "chunks", "codec", "fill_value"):
+    for what in ("name", "shape", "dtype", "storage", "chunks", "codec", "fill_value"):
         a, b = ((d.codec(0), first.codec(0)) if what == "codec" else (getattr(d, what), getattr(first, what)))
         if repr(a) != repr(b):  # repr: a NaN fill value equals itself
             raise LayoutError(f"dataset {d.name!r} of {d.path!r} has {what} {a!r} but {first.name!r} of "
-                              f"{first.path!r} has {b!r}; stacked HDF5 files must agree on shape, dtype, "
-                              "storage, chunk shape, filters and fill value")
+                              f"{first.path!r} has {b!r}; stacked HDF5 files must agree on dataset, shape, "
+                              "dtype, storage, chunk shape, filters and fill value")
 
 
 def _check_requested(d: Hdf5Dataset, dtype: Any, shape: Any) -> None:

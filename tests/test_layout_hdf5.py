@@ -136,7 +136,7 @@ def test_chunked_against_h5py(tmp_path, data):
     dask_chunks = data.draw(st.one_of(st.none(), st.tuples(*(st.integers(1, n) for n in shape))), label="chunks")
     holes = data.draw(st.booleans(), label="holes")
     p = str(tmp_path / f"{uuid.uuid4().hex}.h5")
-    values = _random(shape, dtype, seed=len(p))
+    values = _random(shape, dtype, seed=data.draw(st.integers(0, 2**16), label="seed"))
     with h5py.File(p, "w") as f:
         d = f.create_dataset("data", shape=shape, dtype=dtype, chunks=stored, fillvalue=np.ones((), dtype)[()])
         if holes:  # write every other element along axis 0: some chunks stay unallocated
@@ -174,7 +174,7 @@ def test_filtered_chunks_against_h5py(tmp_path, data):
     dask_chunks = data.draw(st.one_of(st.none(), st.tuples(*(st.integers(1, n) for n in shape))) if free
                             else st.none(), label="chunks")
     p = str(tmp_path / f"{uuid.uuid4().hex}.h5")
-    values = _random(shape, dtype, seed=len(p))
+    values = _random(shape, dtype, seed=data.draw(st.integers(0, 2**16), label="seed"))
     values.reshape(-1)[::2] = 0  # half zeros: compressible, so most chunks are stored filtered
     _write(p, data=values, chunks=stored, **FILTERS[name])
     _assert_same(p, chunks=dask_chunks)

@@ -21,8 +21,11 @@ zstd (32015)               ``zstd``
 Any other filter (nbit, scale-offset, bitshuffle, blosc2, zfp, ...) is refused at
 index time, naming the file, the dataset and the filter. A chunk stored with an optional
 filter skipped (HDF5 does so when e.g. lzf or blosc would grow it) decodes without that
-step. Unallocated chunks read as the dataset's fill value. Several files holding the
-same dataset (shape, dtype, chunking and filters) stack along a new axis 0.
+step; as a block's tiles share one codec, a dataset with such chunks gets one stored chunk
+per block by default (and a ``chunks=`` that would mix them is refused). Edge chunks that
+``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS`` left unfiltered are read raw. Unallocated chunks
+read as the dataset's fill value. Several files holding the same dataset (name, shape,
+dtype, chunking, filters and fill value) stack along a new axis 0.
 
 >>> import h5py, numpy as np, tempfile, os
 >>> from gpulazy import layouts
@@ -123,6 +126,20 @@ class Hdf5Layout(Layout):
 
     def index(self, paths: Sequence[str], *, dataset: str | None = None, chunks: Any = None, dtype: Any = None,
               shape: Any = None, **unknown: Any) -> Index:
+        """The ``Index`` of ``dataset`` in each of ``paths`` (stacked along axis 0 when several).
+
+        Parameters
+        ----------
+        dataset
+            Path of the dataset in the file (``"/entry/data"``); optional when the file
+            holds exactly one numeric array dataset.
+        chunks
+            Dask-style chunks. Contiguous data: any chunking (default: slabs of about
+            ``config chunk_size``). Chunked data: each block is moved out to whole stored
+            chunks (default: about ``config chunk_size`` of them).
+        dtype, shape
+            Optional: checked against the dataset's (``LayoutError`` if they differ).
+        """
         if unknown:
             raise TypeError(f"the hdf5 layout got unexpected options {sorted(unknown)} (it takes dataset=, "
                             "chunks=, and dtype=/shape= to check)")
@@ -237,7 +254,7 @@ def _storage(d: Any, path: str, size: int) -> Hdf5Dataset:
     nbytes = math.prod(shape) * dtype.itemsize
     dcpl = d.id.get_create_plist()
     kind = dcpl.get_layout()
-    base = dict(path=path, name=name, shape=shape, dtype=dtype, fill_value=_fill(d))
+    base = dict(path=path, name=name, shape=shape, dtype=dtype, fill_value=_fill(d, dcpl))
     if kind == h5py.h5d.COMPACT:
         raise LayoutError(f"{where} is stored compact (inside the file's metadata), which has no byte range "
                           "to read; it is small (under 64 KiB): read it with h5py (h5py.File(path)[name][()])")
@@ -299,7 +316,13 @@ def _is_partial(idx: tuple[int, ...], shape: tuple[int, ...], chunks: tuple[int,
     return any((i + 1) * c > n for i, c, n in zip(idx, chunks, shape))
 
 
-def _fill(d: Any) -> Any:
+def _fill(d: Any, dcpl: Any) -> Any:
+    import h5py
+
+    # Ask first whether a fill value was set: HDF5 checks the fill-value message here and raises
+    # on a corrupt one, where fetching the value (H5Pget_fill_value) was seen to crash instead.
+    if dcpl.fill_value_defined() != h5py.h5d.FILL_VALUE_USER_DEFINED:
+        return 0  # the default fill value is zeros (and "undefined" reads as zeros in h5py too)
     v = d.fillvalue
     return v.item() if isinstance(v, np.generic) else v
 

@@ -63,7 +63,8 @@ def decode(data: Any, codec: Sequence[Codec], expected: int | None) -> np.ndarra
             dec = _build(c).decode(out, out=np.empty(expected, np.uint8)) if (last and expected is not None and _takes_out(c)) \
                 else _build(c).decode(out)
             out = _as_bytes(dec)
-    return out
+    # imagecodecs hands back bytes (read-only); assembly byte-swaps big-endian data in place.
+    return out if out.flags.writeable else out.copy()
 
 
 def _takes_out(c: Codec) -> bool:

@@ -43,6 +43,7 @@ _BUILTIN = {
     "raw": "gpulazy.layouts.raw:RawLayout",
     "tiff": "gpulazy.layouts.tiff:TiffLayout",
     "zarr": "gpulazy.layouts.zarr:ZarrLayout",
+    "hdf5": "gpulazy.layouts.hdf5:Hdf5Layout",
 }
 
 

@@ -81,7 +81,67 @@ def _frames(folder: Path) -> None:
         np.save(folder / f"f{i}.npy", np.full((64, 64), i, dtype="float32"))
 
 
+def _tiffs(folder: Path) -> None:
+    import tifffile
+
+    folder.mkdir()
+    for i in range(3):
+        tifffile.imwrite(folder / f"z{i:03d}.tif", np.full((64, 64), i, dtype="uint16"))
+
+
+def _ome_tiff(path: Path) -> None:
+    import tifffile
+
+    data = np.arange(4 * 128 * 128, dtype="uint16").reshape(4, 128, 128)
+    meta = {"axes": "ZYX", "PhysicalSizeZ": 2.0, "PhysicalSizeY": 0.5, "PhysicalSizeX": 0.5}
+    with tifffile.TiffWriter(path, ome=True) as tif:
+        tif.write(data, subifds=1, metadata=meta)
+        tif.write(data[:, ::2, ::2], subfiletype=1)
+
+
+def _zarr_store(path: Path) -> None:
+    import zarr
+
+    z = zarr.create_array(path, shape=(4, 64, 64), chunks=(2, 32, 32), dtype="uint16", zarr_format=3)
+    z[:] = np.arange(4 * 64 * 64, dtype="uint16").reshape(4, 64, 64)
+
+
+def _ome_zarr(path: Path) -> None:
+    import zarr
+
+    root = zarr.open_group(path, mode="w", zarr_format=2)
+    data = np.arange(4 * 64 * 64, dtype="uint16").reshape(4, 64, 64)
+    for level, arr in enumerate([data, data[:, ::2, ::2]]):
+        root.create_array(str(level), data=arr, chunks=(2, 32, 32))
+    axes = [{"name": n, "type": "space", "unit": "micrometer"} for n in "zyx"]
+    root.attrs["multiscales"] = [{"version": "0.4", "axes": axes, "datasets": [
+        {"path": str(lv), "coordinateTransformations": [{"type": "scale", "scale": [2.0, 0.5 * 2 ** lv, 0.5 * 2 ** lv]}]}
+        for lv in range(2)]}]
+    cells = root.create_group("labels").create_group("cells")
+    cells.create_array("0", data=np.zeros((4, 64, 64), "uint8"), chunks=(2, 64, 64))
+
+
+def _h5(path: Path) -> None:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.create_dataset("entry/data", data=np.arange(4 * 64 * 64, dtype="float32").reshape(4, 64, 64),
+                         chunks=(1, 64, 64))
+
+
+def _h5_runs(folder: Path) -> None:
+    folder.mkdir()
+    for i in range(2):
+        _h5(folder / f"run{i}.h5")
+
+
 _EXAMPLE_FILES = {
+    "tiffs/": _tiffs,
+    "slide.ome.tif": _ome_tiff,
+    "volume.zarr": _zarr_store,
+    "image.ome.zarr": _ome_zarr,
+    "run.h5": _h5,
+    "runs/": _h5_runs,
     "scan/": _scan,
     "big.raw": lambda p: _sparse(p, 512 + 4096 * 4096 * 256 * 4),
     "small.raw": lambda p: np.zeros((1024, 1024), "float32").tofile(p),

@@ -156,7 +156,7 @@ def test_raw_size_error_names_a_known_format_instead_of_an_offset_hint(tmp_path)
     p = str(tmp_path / "a.tif")
     tifffile.imwrite(p, np.zeros((64, 64), "u2"))
     with pytest.raises(LayoutError) as info:
-        gpulazy.from_files(p, dtype="u2", shape=(64, 64), device="cpu")  # read as raw, on purpose
+        gpulazy.from_files(p, dtype="u2", shape=(64, 64), device="cpu", layout="raw")  # raw, on purpose
     message = str(info.value)
     assert "it looks like a TIFF file" in message and "pass offset=" not in message
     q = _write(tmp_path / "plain.raw", b"\x01\x02", size=8192 + 100)  # unknown bytes keep the hint

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_order, check_shape
+from gpulazy.spec import identity_from_stat
 
 __all__ = ["RawLayout"]
 
@@ -53,7 +54,7 @@ class RawLayout(Layout):
         for p, st in zip(paths, sizes):
             if st.st_size != expected:
                 raise _size_error(p, st.st_size, expected, file_shape, dt, offset, len(paths))
-            files.append(FileEntry(p, offset, (p, st.st_size, st.st_mtime_ns)))
+            files.append(FileEntry(p, offset, identity_from_stat(p, st)))
         stack = FileStack(tuple(files), file_shape, dt, order, stacked=len(files) > 1)
         return stack.index(chunks, layout=self.name)
 

@@ -13,8 +13,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-#: Thread names of pools that live as long as the process, by design.
+#: Parts of the names of threads in pools that live as long as the process (or cluster), by design.
 LONG_LIVED = (
+    "Dask-Default-Threads",    # a dask.distributed worker's task executor (started on its first task)
     "gpulazy-posix-",          # a backend's read pool: one per (backend, device, settings), shared
     "gpulazy-cache-default-",  # the default cache's prefetch workers (daemons, reused)
     "ThreadPoolExecutor-",     # dask's threaded scheduler pool and other default executors
@@ -66,10 +67,14 @@ class Snapshot:
         out = []
         now = _threads()
         for ident, name in now.items():
-            if ident not in self.threads and not name.startswith(LONG_LIVED):
+            if ident not in self.threads and not any(part in name for part in LONG_LIVED):
                 out.append(f"thread {name!r}")
         for fd in _fds() - self.fds:
-            out.append(f"file descriptor {fd} -> {_fd_target(fd)}")
+            target = _fd_target(fd)
+            # Sockets and event polls belong to dask.distributed's connection pools, which
+            # connect lazily and stay; "?" is a descriptor closed while we looked.
+            if not target.startswith(("socket:", "anon_inode:", "?")):
+                out.append(f"file descriptor {fd} -> {target}")
         for pid in _children() - self.children:
             out.append(f"child process {pid}")
         return out

@@ -11,7 +11,8 @@ Faults (``plan["fault"]``):
 - ``"eio"``: the read fails with a bare ``OSError(EIO)``, as a backend that lets the
   operating system's error through would;
 - ``"slow"``: the read waits ``plan["delay"]`` seconds, then reads;
-- ``"interrupt"``: ``KeyboardInterrupt`` is raised from ``submit`` (Ctrl-C in a read);
+- ``"interrupt"``: ``KeyboardInterrupt`` is raised from ``submit`` (Ctrl-C in a read; only
+  reads in the main thread are selected, where Python delivers the signal);
 - ``"flip"``: the read succeeds, then one byte of the buffer is flipped (silent
   corruption on the way: only ``verify=True`` can notice).
 
@@ -65,6 +66,8 @@ def _selected(ranges: Sequence[ByteRange]) -> str | None:
         fault = _plan.get("fault")
         if not fault or not ranges or _plan.get("match", "") not in ranges[0].path:
             return None
+        if fault == "interrupt" and threading.current_thread() is not threading.main_thread():
+            return None  # Ctrl-C arrives in the main thread only
         n, _seen = _seen, _seen + 1
         if n < _plan.get("after", 0) or _injected >= _plan.get("times", 1 << 30):
             return None

@@ -99,10 +99,10 @@ def _holds(key):
     return cache is not None and key in cache._entries
 
 
-def _clear_default_cache():
+def _clear_default_cache(device="cpu"):
     from gpulazy.cache import default_cache
 
-    cache = default_cache("cpu")
+    cache = default_cache(device)
     if cache is not None:
         cache.clear()
 
@@ -239,3 +239,52 @@ def test_posix_backend_refuses_a_fifo_without_blocking(tmp_path):
     with pytest.raises(ChunkReadError, match="not a regular file") as info:
         future.result(timeout=10)
     assert info.value.path == path
+
+
+# -- the same on a GPU (KvikIO reads straight into device memory) ---------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["truncated", "fifo", "replaced"])
+def test_file_changed_after_from_files_on_the_gpu(files, change):
+    vol = _vol(files, device="cuda:0")
+    CHANGES[change](files[1])
+    for compute in (lambda: vol.compute(), lambda: vol.sum().compute(scheduler="threads")):
+        with pytest.raises(ChunkReadError, match="changed since it was indexed") as info:
+            compute()
+        _check(info.value, files[1])
+    _fix(files)
+    from conftest import to_host
+
+    np.testing.assert_array_equal(to_host(_vol(files, device="cuda:0").compute()), _reference())
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_kvikio_refuses_a_fifo_without_blocking(tmp_path):
+    import cupy
+
+    from gpulazy.io import get_backend
+    from gpulazy.spec import ByteRange
+
+    path = str(tmp_path / "pipe")
+    os.mkfifo(path)
+    with pytest.raises(ChunkReadError, match="not a regular file"):
+        get_backend("kvikio", "cuda:0").read_into([ByteRange(path, 0, 16)], cupy.empty(16, cupy.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_io_error_on_the_gpu_never_stays_cached(files):
+    fault_backend.install({"fault": "eio", "match": "s1.raw", "times": 1})
+    try:
+        vol = _vol(files, device="cuda:0", backend="faulty")
+        with pytest.raises(ChunkReadError, match="Input/output error") as info:
+            vol.max().compute(scheduler="threads")
+        _check(info.value, files[1])
+        from conftest import to_host
+
+        np.testing.assert_array_equal(to_host(vol.compute(scheduler="threads")), _reference())
+    finally:
+        fault_backend.uninstall()
+        _clear_default_cache("cuda:0")

@@ -17,12 +17,15 @@ Faults (``plan["fault"]``):
   corruption on the way: only ``verify=True`` can notice).
 
 A read is selected when its first path contains ``plan["match"]`` (default: any) and
-it is the ``after``-th such read or later (counted from 0), at most ``times`` reads.
+it is the ``after``-th such read or later (counted from 0), at most ``times`` reads (per
+process); with ``plan["token"]`` (a file path) only the one read, in any process, that
+removes that file gets the fault.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from typing import Any, Sequence
@@ -71,6 +74,11 @@ def _selected(ranges: Sequence[ByteRange]) -> str | None:
         n, _seen = _seen, _seen + 1
         if n < _plan.get("after", 0) or _injected >= _plan.get("times", 1 << 30):
             return None
+        if "token" in _plan:  # one fault across processes: whoever removes the token file injects it
+            try:
+                os.remove(_plan["token"])
+            except FileNotFoundError:
+                return None
         _injected += 1
         return fault
 

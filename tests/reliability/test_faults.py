@@ -173,8 +173,10 @@ def test_file_changed_after_from_files(files, run, change):
 # -- faults during the read: an injecting backend (test double) -----------------------------
 
 @pytest.mark.timeout(120)
-def test_io_error_mid_compute_names_the_file_and_never_stays_cached(files, run):
-    run.everywhere(fault_backend.install, {"fault": "eio", "match": "s1.raw", "times": 1})
+def test_io_error_mid_compute_names_the_file_and_never_stays_cached(files, run, tmp_path):
+    token = tmp_path / "fault-token"  # one fault in all processes together
+    token.touch()
+    run.everywhere(fault_backend.install, {"fault": "eio", "match": "s1.raw", "token": str(token)})
     vol = _vol(files, backend="faulty")
     with pytest.raises(ChunkReadError) as info:
         run(vol.sum(axis=(1, 2)))
@@ -185,13 +187,15 @@ def test_io_error_mid_compute_names_the_file_and_never_stays_cached(files, run):
                  if s.ranges[0].path == files[1] and s.ranges[0].offset == info.value.offset]
     assert info.value.expected == failed.nbytes
     assert not run.cached(failed.key)
-    # The fault is gone (times=1): the same array computes, every value the file's.
+    # The fault is gone (the token is used up): the same array computes, every value the file's.
     np.testing.assert_array_equal(run(vol), _reference())
 
 
 @pytest.mark.timeout(120)
-def test_slow_read_mid_compute_gives_the_right_values(files, run):
-    run.everywhere(fault_backend.install, {"fault": "slow", "delay": 1.0, "match": "s1.raw", "times": 1})
+def test_slow_read_mid_compute_gives_the_right_values(files, run, tmp_path):
+    token = tmp_path / "fault-token"
+    token.touch()
+    run.everywhere(fault_backend.install, {"fault": "slow", "delay": 1.0, "match": "s1.raw", "token": str(token)})
     vol = _vol(files, backend="faulty")
     t0 = time.monotonic()
     np.testing.assert_array_equal(run(vol.max(axis=1)), _reference().max(axis=1))

@@ -89,7 +89,7 @@ def test_corrupt_npy_header_is_a_layout_error_or_a_correct_read(tmp_path_factory
         tracemalloc.stop()
     assert time.monotonic() - t0 < 10
     # The header parser allocates a few times the header, which the file's size bounds.
-    assert peak < 32 * 1024 + 8 * len(bad), peak
+    assert peak < (256 << 10) + 8 * len(bad), peak  # a fixed overhead (the error), never the claimed length
     try:
         result = gpulazy.from_files(path, device="cpu", cache=False).compute()
     except LayoutError as e:

@@ -13,10 +13,12 @@ that block read on the host (at most two blocks per range); a stored chunk encod
 with Zarr's ``crc32c`` codec is checked against the checksum it carries. A mismatch raises
 ``ChunkReadError`` naming the chunk, the file and the offset.
 
-On a GPU the chunk's bytes are copied to the host and hashed there (google-crc32c,
-about 9 GB/s on one core): a first step, not a CUDA kernel; it costs a device-to-host
-copy and a pass on the CPU per chunk. Hashing by hand is not needed anywhere: the CRC32C
-itself is google-crc32c's (installed with zarr), which uses the CPU's crc32 instruction.
+On a GPU the chunk's bytes are hashed where they are, by CuPy kernels
+(``gpulazy._crc32c_cuda``: every 4 KiB piece in parallel, folded per block), checked once
+per process against google-crc32c; where they do not compile or disagree, the bytes are
+copied to the host and hashed there (google-crc32c, about 9 GB/s on one core), with a
+warning. On the host the CRC32C is google-crc32c's (installed with zarr), which uses the
+CPU's crc32 instruction.
 
 >>> import numpy as np, os, tempfile, gpulazy
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "a.raw")
@@ -222,42 +224,89 @@ def verify_chunk(buf: Any, spec: ChunkSpec) -> None:
     Raises ``ChunkReadError`` naming the chunk, the file and the offset on a mismatch,
     ``LayoutError`` when nothing is known to check against.
     """
-    host = _on_host(buf)[: spec.nbytes]
     step = _crc_step(spec)
-    if step is not None:
-        _verify_codec(host, spec, step)
+    on_gpu = not isinstance(buf, np.ndarray) and _gpu_kernel_ok(buf)
+    if step is not None and step > 0:  # steps to decode before the checksum: on the host
+        _verify_codec(_on_host(buf)[: spec.nbytes], spec, step)
+        return
+    checks = _codec_checks(buf, spec) if step is not None else _manifest_checks(spec)
+    if on_gpu:
+        from gpulazy._crc32c_cuda import segment_crcs
+
+        crcs = segment_crcs(buf, *(np.array([getattr(c, f) for c in checks]) for f in ("start", "length", "init")))
     else:
-        at = 0
-        for r in spec.ranges:
-            entry = manifest_entry(r.path)
-            if entry is None:
-                raise LayoutError(f"verify=True but no checksums are known for {r.path!r}: write them with "
-                                  "gpulazy index --checksum")
-            _verify_range(host[at: at + r.nbytes], r, entry, spec)
-            at += r.nbytes
+        host = _on_host(buf)
+        crcs = [crc32c(host[c.start: c.start + c.length], c.init) for c in checks]
+    for check, crc in zip(checks, crcs):
+        crc = crc32c(check.suffix, int(crc)) if check.suffix else int(crc)
+        if crc != check.expected:
+            raise _mismatch(spec, check.path, check.offset, check.length, check.why(crc))
 
 
 def _on_host(buf: Any) -> np.ndarray:
     if isinstance(buf, np.ndarray):
         return buf.reshape(-1).view(np.uint8)
-    return buf.reshape(-1).view("uint8").get()  # CuPy: hashed on the host (see the module docstring)
+    return buf.reshape(-1).view("uint8").get()  # CuPy without a usable kernel: hashed on the host
 
 
-def _verify_range(data: np.ndarray, r: ByteRange, entry: _Entry, spec: ChunkSpec) -> None:
-    bs = entry.block_size
-    if r.offset + r.nbytes > entry.size:
-        raise _mismatch(spec, r.path, r.offset, r.nbytes, f"the manifest {entry.manifest!r} covers only "
-                        f"{entry.size} bytes of it")
-    for b in range(r.offset // bs, -(-(r.offset + r.nbytes) // bs)):
-        start, end = b * bs, min((b + 1) * bs, entry.size)
-        lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
-        crc = crc32c(_pread(r.path, start, lo - start)) if lo > start else 0
-        crc = crc32c(data[lo - r.offset: hi - r.offset], crc)
-        if hi < end:
-            crc = crc32c(_pread(r.path, hi, end - hi), crc)
-        if crc != int(entry.crcs[b]):
-            raise _mismatch(spec, r.path, lo, hi - lo, f"CRC32C 0x{crc:08x} of bytes {start}..{end} (block {b}) "
-                            f"differs from 0x{int(entry.crcs[b]):08x} in {entry.manifest!r}")
+def _gpu_kernel_ok(buf: Any) -> bool:
+    from gpulazy._crc32c_cuda import usable
+
+    return usable(int(buf.device.id))
+
+
+class _Check:
+    """``length`` bytes of the buffer from ``start``, hashed from ``init`` then over ``suffix``, must give ``expected``."""
+
+    __slots__ = ("start", "length", "init", "suffix", "expected", "path", "offset", "why")
+
+    def __init__(self, start, length, init, suffix, expected, path, offset, why):
+        self.start, self.length, self.init, self.suffix = start, length, init, suffix
+        self.expected, self.path, self.offset, self.why = expected, path, offset, why
+
+
+def _manifest_checks(spec: ChunkSpec) -> list[_Check]:
+    """One check per manifest block each range overlaps; the parts of a block outside the range
+    are read on the host (``_pread``), at most two per range."""
+    checks, at = [], 0
+    for r in spec.ranges:
+        entry = manifest_entry(r.path)
+        if entry is None:
+            raise LayoutError(f"verify=True but no checksums are known for {r.path!r}: write them with "
+                              "gpulazy index --checksum")
+        if r.offset + r.nbytes > entry.size:
+            raise _mismatch(spec, r.path, r.offset, r.nbytes, f"the manifest {entry.manifest!r} covers only "
+                            f"{entry.size} bytes of it")
+        bs = entry.block_size
+        for b in range(r.offset // bs, -(-(r.offset + r.nbytes) // bs)):
+            start, end = b * bs, min((b + 1) * bs, entry.size)
+            lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
+            init = crc32c(_pread(r.path, start, lo - start)) if lo > start else 0
+            suffix = _pread(r.path, hi, end - hi) if hi < end else b""
+            want = int(entry.crcs[b])
+            checks.append(_Check(at + lo - r.offset, hi - lo, init, suffix, want, r.path, lo,
+                                 lambda crc, start=start, end=end, b=b, want=want, m=entry.manifest:
+                                 f"CRC32C 0x{crc:08x} of bytes {start}..{end} (block {b}) differs from "
+                                 f"0x{want:08x} in {m!r}"))
+        at += r.nbytes
+    return checks
+
+
+def _codec_checks(buf: Any, spec: ChunkSpec) -> list[_Check]:
+    """Zarr's crc32c as the first decode step: each stored piece's last 4 bytes are its CRC32C."""
+    segments = spec.tile_segments() if spec.tiles else [(None, 0, spec.nbytes)]
+    ranges = [tile.range if tile is not None else spec.ranges[0] for tile, _, _ in segments]
+    for r, (_, _, n) in zip(ranges, segments):
+        if n < 4:
+            raise _too_short(spec, r, n)
+    flat = buf.reshape(-1).view("uint8")
+    index = [start + n - 4 + i for _, start, n in segments for i in range(4)]
+    stored = _on_host(flat[index]) if index else np.zeros(0, np.uint8)  # one small copy from a GPU
+    checks = []
+    for k, (r, (_, start, n)) in enumerate(zip(ranges, segments)):
+        want = int(stored[4 * k: 4 * k + 4].view("<u4")[0])
+        checks.append(_Check(start, n - 4, 0, b"", want, r.path, r.offset, lambda crc, want=want: _carried(crc, want)))
+    return checks
 
 
 def _pread(path: str, offset: int, nbytes: int) -> bytes:
@@ -273,19 +322,27 @@ def _pread(path: str, offset: int, nbytes: int) -> bytes:
 
 
 def _verify_codec(host: np.ndarray, spec: ChunkSpec, step: int) -> None:
-    """Each stored piece's embedded crc32c (the 4 little-endian bytes Zarr appends)."""
+    """Each stored piece's embedded crc32c (the 4 little-endian bytes Zarr appends), after the
+    decode steps that come before it."""
     segments = spec.tile_segments() if spec.tiles else [(None, 0, spec.nbytes)]
     for tile, start, n in segments:
         r = tile.range if tile is not None else spec.ranges[0]
         data = _decode_steps(host[start: start + n], spec.codec[:step], r, spec)
         if data.size < 4:
-            raise _mismatch(spec, r.path, r.offset, r.nbytes, f"a crc32c-encoded piece of {data.size} bytes "
-                            "cannot hold its 4-byte checksum")
+            raise _too_short(spec, r, data.size)
         stored = int(data[-4:].view("<u4")[0])
         crc = crc32c(data[:-4])
         if crc != stored:
-            raise _mismatch(spec, r.path, r.offset, r.nbytes, f"CRC32C 0x{crc:08x} of the stored chunk differs "
-                            f"from the 0x{stored:08x} it carries (Zarr crc32c codec)")
+            raise _mismatch(spec, r.path, r.offset, r.nbytes, _carried(crc, stored))
+
+
+def _carried(crc: int, stored: int) -> str:
+    return f"CRC32C 0x{crc:08x} of the stored chunk differs from the 0x{stored:08x} it carries (Zarr crc32c codec)"
+
+
+def _too_short(spec: ChunkSpec, r: ByteRange, n: int) -> ChunkReadError:
+    return _mismatch(spec, r.path, r.offset, r.nbytes, f"a crc32c-encoded piece of {n} bytes cannot hold its "
+                     "4-byte checksum")
 
 
 def _decode_steps(data: np.ndarray, steps: Sequence[Any], r: ByteRange, spec: ChunkSpec) -> np.ndarray:

@@ -15,6 +15,8 @@ import os
 import numcodecs
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fault_backend
 import gpulazy
@@ -189,3 +191,56 @@ def test_verified_read_on_the_gpu(folder):
     _flip_on_disk(str(folder / "s2.raw"), 10)
     with pytest.raises(ChunkReadError, match="s2.raw.*failed verification"):
         gpulazy.from_files(str(folder), shape=SHAPE, dtype="<u2", device="cuda:0", verify=True).compute()
+
+
+# -- the GPU kernels' arithmetic (checked on the host), and the kernels themselves on a GPU ---------
+
+segments = st.lists(st.tuples(st.integers(0, 3 * 4096), st.integers(0, 3 * 4096 + 50), st.integers(0, 2 ** 32 - 1)),
+                    min_size=1, max_size=4)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=25, deadline=None)
+@given(segs=segments, seed=st.integers(0, 100))
+def test_the_gpu_fold_equals_google_crc32c(segs, seed):
+    from gpulazy._crc32c_cuda import fold_on_host
+
+    data = np.random.default_rng(seed).integers(0, 256, 6 * 4096 + 100, dtype=np.uint8)
+    starts = np.array([min(a, len(data)) for a, _, _ in segs])
+    lengths = np.array([min(n, len(data) - a) for a, (_, n, _) in zip(starts, segs)])
+    inits = np.array([i for _, _, i in segs], np.uint32)
+    want = [crc32c(data[a: a + n], int(i)) for a, n, i in zip(starts, lengths, inits)]
+    assert [int(x) for x in fold_on_host(data, starts, lengths, inits)] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_the_gpu_kernels_equal_google_crc32c():
+    import cupy
+
+    from gpulazy._crc32c_cuda import segment_crcs, usable
+
+    assert usable(0)
+    data = np.random.default_rng(3).integers(0, 256, (64 << 20) + 77, dtype=np.uint8)
+    bs = 256 << 10
+    starts = np.arange(0, len(data), bs)
+    lengths = np.minimum(bs, len(data) - starts)
+    inits = np.arange(len(starts), dtype=np.uint32)
+    got = segment_crcs(cupy.asarray(data), starts, lengths, inits)
+    assert [int(x) for x in got] == [crc32c(data[a: a + n], int(i)) for a, n, i in zip(starts, lengths, inits)]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_zarr_crc32c_codec_is_checked_on_the_gpu(tmp_path):
+    from conftest import to_host
+
+    values = np.arange(64, dtype="<u2").reshape(8, 8)
+    path, spec = _crc_chunk_file(tmp_path, ["crc32c"], values)
+    verified = ChunkSource("cuda:0", cache=False, verify=True)
+    np.testing.assert_array_equal(to_host(verified.read(spec)), values)
+    _flip_on_disk(path, 4 + 10)
+    bad = ChunkSpec(spec.ranges, spec.shape, spec.dtype, codec=spec.codec, identity=(file_identity(path),),
+                    index=spec.index, tiles=spec.tiles)
+    with pytest.raises(ChunkReadError, match="it carries"):
+        verified.read(bad)

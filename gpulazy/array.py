@@ -43,12 +43,14 @@ class ChunkSource:
 
     ``device``: ``"cpu"`` or ``"cuda:N"``; ``backend``: a backend name or ``None`` for
     ``"auto"``; ``cache``: a ``CacheRef`` (made anew in a process that lacks it), a
-    ``DeviceCache`` name, ``None`` for the default cache, or ``False`` for no cache.
+    ``DeviceCache`` name, ``None`` for the default cache, or ``False`` for no cache;
+    ``verify``: check stored bytes against their checksums (reads then bypass the cache).
     """
 
     device: str
     backend: str | None = None
     cache: Any = None
+    verify: bool = False
 
     def backend_instance(self):
         from gpulazy.io import get_backend
@@ -57,7 +59,7 @@ class ChunkSource:
 
     def cache_instance(self):
         """The ``DeviceCache`` this source reads through, or ``None``."""
-        if self.cache is False:
+        if self.cache is False or self.verify:  # a cached chunk may not have been verified
             return None
         from gpulazy.cache import cache_by_name, default_cache
 
@@ -68,10 +70,12 @@ class ChunkSource:
         return self.cache.resolve()
 
     def read(self, spec: ChunkSpec) -> Any:
-        """Read ``spec`` from its files, bypassing any cache (staged: see config ``staging``)."""
-        from gpulazy.io import read_chunk
+        """Read ``spec`` from its files, bypassing any cache (``gpulazy.integrity.checked_read``;
+        staged: see config ``staging``)."""
+        from gpulazy.integrity import checked_read
 
-        return read_chunk(spec, self.backend_instance(), staged=config.get("staging") != "never")
+        return checked_read(spec, self.backend_instance(), verify=self.verify,
+                            staged=config.get("staging") != "never")
 
     def load_many(self, specs: tuple[ChunkSpec, ...]) -> list[Any]:
         """Several chunks' arrays: cached ones from the cache, the others read in one batch.
@@ -88,6 +92,11 @@ class ChunkSource:
         >>> [a.tolist() for a in vol.chunk_source.load_many(tuple(vol.chunk_index.specs.values()))]
         [[0, 1, 2, 3], [4, 5, 6, 7]]
         """
+        if self.verify:  # verified reads go one by one, past the cache (see ``read``)
+            return [self.load(spec) for spec in specs]
+        from gpulazy.integrity import as_read_error, check_all_unchanged
+
+        check_all_unchanged(specs)  # a cached chunk of a file changed since indexing is never served
         cache = self.cache_instance()
         arrays: list[Any] = [None] * len(specs)
         todo = []
@@ -102,11 +111,15 @@ class ChunkSource:
 
             batch = [specs[i] for i in todo]
             first = batch[0]
-            read = retry_on_oom(
-                lambda: read_chunks(batch, self.backend_instance(), staged=config.get("staging") != "never"),
-                device=get_device(self.device), nbytes=sum(s.out_nbytes for s in batch),
-                what=f"reading {len(batch)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
-                else "reading chunks")
+            try:
+                read = retry_on_oom(
+                    lambda: read_chunks(batch, self.backend_instance(), staged=config.get("staging") != "never"),
+                    device=get_device(self.device), nbytes=sum(s.out_nbytes for s in batch),
+                    what=f"reading {len(batch)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
+                    else "reading chunks")
+            except OSError as e:
+                raise as_read_error(e, first) from e
+            check_all_unchanged(batch)  # written to during the read: the bytes may be mixed
             for i, arr in zip(todo, read):
                 arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
         return arrays
@@ -120,6 +133,9 @@ class ChunkSource:
         if cache is None:
             return retry_on_oom(lambda: self.read(spec), device=get_device(self.device), nbytes=spec.out_nbytes,
                                 what=what)
+        from gpulazy.integrity import check_unchanged
+
+        check_unchanged(spec)  # a cached chunk of a file changed since indexing is never served
         return retry_on_oom(lambda: cache.get(spec, self.read), device=cache.device, nbytes=spec.out_nbytes,
                             what=what)
 
@@ -152,7 +168,7 @@ def pick(batch: list[Any], i: int) -> Any:
 
 def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int = 0, order: str | None = None,
                chunks: Any = None, device: Any = None, backend: str | None = None, cache: Any = None,
-               layout: Any = None, **layout_opts: Any) -> Any:
+               layout: Any = None, verify: bool = False, **layout_opts: Any) -> Any:
     """A lazy Dask array over files whose chunks read straight into device memory.
 
     Nothing is read here: the files are indexed (sizes and headers checked) and a
@@ -194,6 +210,10 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
     layout
         Force a layout (``"raw"``, ``"npy"`` or a registered name); default: guessed
         from the first file's magic bytes, raw when ``dtype`` is given.
+    verify
+        Check every chunk's stored bytes against their CRC32C (a manifest written by
+        ``gpulazy index --checksum PATH``, or Zarr's ``crc32c`` codec) when read; a
+        mismatch raises ``ChunkReadError``. Verified reads bypass the cache.
     **layout_opts
         Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5); an
         option the layout does not know raises ``TypeError`` naming it.
@@ -233,7 +253,11 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
     with _gc_paused():  # ~3 objects per chunk, none cyclic: collections only cost time here
         idx = layouts.index(paths, layout=layout, shape=shape, dtype=dtype, offset=offset or None, order=order,
                             chunks=chunks, **layout_opts)
-        return _from_index(idx, dev, backend, cache_ref)
+        if verify:
+            from gpulazy.checksums import require_checksums
+
+            require_checksums(idx.specs.values())
+        return _from_index(idx, dev, backend, cache_ref, verify)
 
 
 def multiscale(paths: Any, *, chunks: Any = None, device: Any = None, backend: str | None = None,
@@ -254,12 +278,12 @@ def multiscale(paths: Any, *, chunks: Any = None, device: Any = None, backend: s
         return [_from_index(idx, dev, backend, cache_ref) for idx in levels]
 
 
-def _from_index(idx: Any, dev: Device, backend: str | None, cache_ref: Any) -> Any:
+def _from_index(idx: Any, dev: Device, backend: str | None, cache_ref: Any, verify: bool = False) -> Any:
     cache_name = getattr(cache_ref, "name", cache_ref)  # a cache object and its name: one graph name
-    source = ChunkSource(dev.name, backend, cache_ref)
+    source = ChunkSource(dev.name, backend, cache_ref, bool(verify))
     from dask.base import tokenize
 
-    name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name)
+    name = "from_files-" + tokenize(idx.token(), dev.name, backend, cache_name, *(["verify"] if verify else []))
     graph = _graph(name, idx.specs, source)
     arr = _array_class()(graph, name, idx.chunks, meta=dev.meta(idx.ndim, idx.dtype))
     arr._gl_attach(idx, source)
@@ -468,6 +492,8 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
     one decodes. Other reads are all submitted before any is waited on. The first error is
     raised after every submitted read has settled, so nothing writes into a dropped buffer.
     """
+    from gpulazy.checksums import verify_chunk
+    from gpulazy.integrity import as_read_error, check_all_unchanged
     from gpulazy.io import decode, submit_chunk
 
     dev = get_device(source.device)
@@ -490,6 +516,8 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
         future, buf, spec, target, view = entry
         try:
             future.result()
+            if source.verify and not errors:
+                verify_chunk(buf, spec)
             if not errors:
                 arr = decode(buf, spec, dev)  # byte swaps in place when needed
                 if target is not None:
@@ -498,8 +526,10 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
                 if hooks:
                     hooks.posttask((name, *spec.index), view)
         except BaseException as e:  # kept; raised once every read has settled
-            errors.append(e)
+            errors.append(as_read_error(e, spec))
         return spec.nbytes if target is not None else 0
+
+    check_all_unchanged(specs.values())  # nothing cached or read from a file changed since indexing
 
     with dev.activate():
         for spec in specs.values():
@@ -532,6 +562,7 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
             settle(pending.popleft())
         if errors:
             raise errors[0]
+        check_all_unchanged(specs.values())  # written to during the reads: bytes may be mixed
         dev.synchronize()
     return out
 
@@ -597,7 +628,7 @@ def _byte_view(view: Any, order: str) -> Any:
 # -- read_file / read_files -----------------------------------------------------------------
 
 def read_file(path: Any, *, dtype: Any = "uint8", shape: Any = None, offset: int = 0, device: Any = None,
-              backend: str | None = None, timed: bool = False) -> Any:
+              backend: str | None = None, timed: bool = False, verify: bool = False) -> Any:
     """Read one whole file (after ``offset``) onto the device, eagerly.
 
     Parameters
@@ -616,6 +647,8 @@ def read_file(path: Any, *, dtype: Any = "uint8", shape: Any = None, offset: int
     timed
         Return ``(array, seconds)``: the time from the first byte asked for until the
         array is ready on the device.
+    verify
+        Check the bytes against the file's checksum manifest (``gpulazy index --checksum``).
 
     Returns
     -------
@@ -644,16 +677,16 @@ def read_file(path: Any, *, dtype: Any = "uint8", shape: Any = None, offset: int
 
     be = get_backend(_check_backend(backend), dev)
     started = time.perf_counter()
-    (arr,) = _read_all([spec], be, dev)
+    (arr,) = _read_all([spec], be, dev, verify)
     return (arr, time.perf_counter() - started) if timed else arr
 
 
 def read_files(paths: Any, *, dtype: Any = "uint8", shape: Any = None, offset: int = 0, device: Any = None,
-               backend: str | None = None, timed: bool = False) -> Any:
+               backend: str | None = None, timed: bool = False, verify: bool = False) -> Any:
     """Read several whole files onto the device, every read in flight before any is awaited.
 
     ``paths`` is resolved like ``from_files`` (glob, directory, sequence). ``shape``
-    (default 1-D per file) and ``offset`` apply to every file. Returns a list of arrays
+    (default 1-D per file) and ``offset`` apply to every file; ``verify`` as in ``read_file``. Returns a list of arrays
     in the order of the files (with ``timed=True``, ``(list, seconds)``).
 
     Examples
@@ -673,7 +706,7 @@ def read_files(paths: Any, *, dtype: Any = "uint8", shape: Any = None, offset: i
 
     be = get_backend(_check_backend(backend), dev)
     started = time.perf_counter()
-    arrays = _read_all(specs, be, dev)
+    arrays = _read_all(specs, be, dev, verify)
     return (arrays, time.perf_counter() - started) if timed else arrays
 
 
@@ -704,9 +737,13 @@ def _whole_file_spec(path: str, dtype: Any, shape: Any, offset: int) -> ChunkSpe
     return ChunkSpec((ByteRange(path, offset, nbytes),), shp, dt.str, "C", None, (ident,), ())
 
 
-def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device) -> list[Any]:
+def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device, verify: bool = False) -> list[Any]:
+    from gpulazy.checksums import require_checksums, verify_chunk
+    from gpulazy.integrity import as_read_error, check_all_unchanged
     from gpulazy.io import decode, submit_chunk
 
+    if verify:
+        require_checksums(specs)
     submitted, errors = [], []
     with dev.activate():
         for spec in specs:
@@ -719,11 +756,14 @@ def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device) -> list[Any]:
         for spec, future, buf in submitted:  # every read settles before an error is raised
             try:
                 future.result()
+                if verify and not errors:
+                    verify_chunk(buf, spec)
                 if not errors:
                     arrays.append(decode(buf, spec, dev))
             except BaseException as e:
-                errors.append(e)
+                errors.append(as_read_error(e, spec))
         if errors:
             raise errors[0]
+        check_all_unchanged(specs)  # written to during the reads: bytes may be mixed
         dev.synchronize()
     return arrays

@@ -365,6 +365,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- index ------------------------------------------------------------------------------
+def cmd_index(args: argparse.Namespace) -> int:
+    from gpulazy.checksums import write_manifest
+
+    if not args.checksum:
+        raise ValueError("nothing to do: pass --checksum to write the files' CRC32C manifest")
+    started = time.perf_counter()
+    written = write_manifest(args.path, block_size=config.parse_bytes(args.block_size))
+    for m in written:
+        print(f"wrote {m}")
+    print(f"checksummed in {time.perf_counter() - started:.2f} s; read with from_files(..., verify=True)")
+    return 0
+
+
 # -- parser -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpulazy", description="gpulazy: files read straight into GPU memory "
@@ -373,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --debug is accepted after the sub-command too; SUPPRESS keeps it from resetting the flag.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{info,bench,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,bench,demo,index}")
 
     info = sub.add_parser("info", parents=[common], help="versions, devices, backend and GDS status, config; "
                           "or, given a PATH, what that file holds and whether it decodes on the GPU")
@@ -408,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", help="where to write the volume (default: a temporary folder)")
     demo.add_argument("--keep", action="store_true", help="keep the generated volume")
     demo.set_defaults(func=cmd_demo)
+
+    index = sub.add_parser("index", parents=[common], help="write a CRC32C manifest of files (for verify=True)")
+    index.add_argument("path", help="a file, a glob, or a folder (every file under it)")
+    index.add_argument("--checksum", action="store_true", help="write .gpulazy-checksums.json next to the files")
+    index.add_argument("--block-size", default="256KiB", help="bytes per checksum (default 256KiB)")
+    index.set_defaults(func=cmd_index)
     return p
 
 

@@ -2,8 +2,8 @@
 
 A spec is a value: frozen, slotted, picklable and tokenizable, so dask graph names are
 deterministic and tasks travel to ``dask.distributed`` workers. Its ``key`` includes the
-identity of every file read (path, size, mtime), so a changed file never hits a stale
-cache entry (napari's dask cache is global and keyed by task key).
+identity of every file read (path, size, mtime, inode, ctime), so a changed file never hits a
+stale cache entry (napari's dask cache is global and keyed by task key).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ByteRange", "Codec", "Tile", "ChunkSpec", "file_identity"]
+__all__ = ["ByteRange", "Codec", "Tile", "ChunkSpec", "file_identity", "identity_from_stat"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +89,21 @@ class Tile:
     order: str = "C"
 
 
-def file_identity(path: str) -> tuple[str, int, int]:
-    """``(path, size, mtime_ns)``: what makes a file's bytes the same bytes as before."""
-    st = os.stat(path)
-    return (path, st.st_size, st.st_mtime_ns)
+def file_identity(path: str) -> tuple[str, int, int, int, int]:
+    """``(path, size, mtime_ns, inode, ctime_ns)``: what makes a file's bytes the same bytes as before.
+
+    Size and mtime alone are not enough: ``rsync -t``, ``cp -p`` and ``tar`` rewrite a
+    file and set its mtime back. The inode changes when a file is replaced (a rename
+    over it, a new file of the same name) and the ctime on every write to it, and no
+    tool can set the ctime back. (The ctime ticks at the kernel's timestamp granularity,
+    a few milliseconds on older kernels: two writes within one tick look alike.)
+    """
+    return identity_from_stat(path, os.stat(path))
+
+
+def identity_from_stat(path: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
+    """``file_identity`` from a ``stat`` result already at hand."""
+    return (path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +128,8 @@ class ChunkSpec:
         ...))``), or ``None`` for raw bytes. Applies to each tile (or, without tiles, to the
         concatenated bytes as one stored piece).
     identity
-        ``(path, size, mtime_ns)`` of each file read; part of ``key``.
+        ``file_identity`` of each file read, ``(path, size, mtime_ns, inode, ctime_ns)``;
+        part of ``key``. Reads check it: a file changed since indexing raises.
     index
         The chunk's block index in its array (informational; not part of ``key``).
     tiles
@@ -133,7 +145,7 @@ class ChunkSpec:
     dtype: str
     order: str = "C"
     codec: tuple[Codec, ...] | None = None
-    identity: tuple[tuple[str, int, int], ...] = ()
+    identity: tuple[tuple, ...] = ()
     index: tuple[int, ...] = ()
     tiles: tuple[Tile, ...] = ()
     fill_value: object = 0

@@ -19,6 +19,7 @@ __all__ = [
     "Backend",
     "ReadFuture",
     "backend_names",
+    "register_backend",
     "backend_class",
     "select_backend",
     "get_backend",
@@ -35,8 +36,24 @@ _BUILTIN = {
 }
 
 
+_registered: dict[str, str] = {}
+
+
 def _entry_points() -> dict[str, str]:
-    return entry_point_table("gpulazy.backends")
+    return {**entry_point_table("gpulazy.backends"), **_registered}
+
+
+def register_backend(name: str, target: str | None) -> None:
+    """Register a backend at run time as ``"pkg.module:Class"`` (``None`` removes it).
+
+    What the ``gpulazy.backends`` entry-point group does for an installed package, for
+    a class that is not installed (a test double, a notebook). It holds in this process
+    only: on ``dask.distributed`` workers, register it there too (``client.run``).
+    """
+    if target is None:
+        _registered.pop(name, None)
+    else:
+        _registered[name] = target
 
 
 def backend_names() -> list[str]:

@@ -21,7 +21,7 @@ from gpulazy.errors import BackendUnavailableError, ChunkReadError
 from gpulazy.spec import ByteRange
 from gpulazy.stats import Stats, default_stats
 
-__all__ = ["Backend", "ReadFuture", "short_read_error", "open_error", "total_bytes"]
+__all__ = ["Backend", "ReadFuture", "short_read_error", "open_error", "read_error", "total_bytes"]
 
 
 def total_bytes(ranges: Sequence[ByteRange]) -> int:
@@ -59,6 +59,15 @@ def open_error(path: str, exc: BaseException, *, backend: str) -> ChunkReadError
         why = f"{type(exc).__name__}: {exc}"
     err = ChunkReadError(f"cannot open {path!r} for reading ({backend} backend): {why}", path=path)
     err.errno = getattr(exc, "errno", None)
+    return err
+
+
+def read_error(r: ByteRange, at: int, nbytes: int, exc: OSError, *, backend: str) -> ChunkReadError:
+    """The error for a read call of ``nbytes`` bytes of ``r.path`` at offset ``at`` that raised ``exc``."""
+    err = ChunkReadError(
+        f"reading {nbytes} bytes of {r.path!r} at offset {at} failed ({backend} backend): "
+        f"{type(exc).__name__}: {exc}", path=r.path, offset=at, expected=nbytes)
+    err.errno = exc.errno
     return err
 
 

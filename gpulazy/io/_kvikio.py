@@ -179,6 +179,8 @@ class KvikioBackend(Backend):
         # check first so the error names the path and says what is wrong.
         if os.path.isdir(path):
             raise open_error(path, IsADirectoryError(path), backend=self.name)
+        if os.path.exists(path) and not os.path.isfile(path):  # opening a FIFO would wait for a writer
+            raise open_error(path, OSError("not a regular file (a pipe or device node)"), backend=self.name)
         try:
             h = self._handles.acquire(path)
         except Exception as e:

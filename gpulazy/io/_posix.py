@@ -27,7 +27,7 @@ import numpy as np
 
 from gpulazy.device import Device
 from gpulazy.errors import BackendUnavailableError, ChunkReadError
-from gpulazy.io._base import Backend, ReadFuture, open_error, short_read_error
+from gpulazy.io._base import Backend, ReadFuture, open_error, read_error, short_read_error
 from gpulazy.io._handles import Handle, HandleCache
 from gpulazy.spec import ByteRange
 
@@ -50,7 +50,10 @@ def _read_fully(fd: int, view: memoryview, offset: int, r: ByteRange) -> None:
     """Fill ``view`` from ``offset``, looping on partial reads; a 0 return is a short read."""
     done, n = 0, len(view)
     while done < n:
-        got = _pread_into(fd, view[done:], offset + done)
+        try:
+            got = _pread_into(fd, view[done:], offset + done)
+        except OSError as e:  # EIO from a failing disk, ESTALE on NFS...: say where
+            raise read_error(r, offset + done, n - done, e, backend="posix") from e
         if got == 0:
             raise _short(fd, r, offset + done)
         done += got
@@ -86,13 +89,18 @@ def _split(ranges: Sequence[ByteRange], fds: dict[str, int], task_size: int) -> 
 def _open_fd(path: str) -> int:
     """A read-only descriptor of ``path``; ChunkReadError naming it if it cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on regular files).
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise open_error(path, e, backend="posix") from e
+    mode = os.fstat(fd).st_mode
     # os.open succeeds on a directory on Linux; reading it would fail later with EISDIR.
-    if stat.S_ISDIR(os.fstat(fd).st_mode):
+    if stat.S_ISDIR(mode):
         os.close(fd)
         raise open_error(path, IsADirectoryError(path), backend="posix")
+    if not stat.S_ISREG(mode):  # a FIFO never ends, /dev/zero reads zeros forever
+        os.close(fd)
+        raise open_error(path, OSError("not a regular file (a pipe or device node)"), backend="posix")
     return fd
 
 

@@ -18,6 +18,7 @@ from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_order, check_shape, stacks
 from gpulazy.layouts._sidecar import read_sidecar, sidecar_path, write_sidecar
+from gpulazy.spec import identity_from_stat
 
 __all__ = ["RawLayout", "read_sidecar", "write_sidecar"]
 
@@ -71,7 +72,7 @@ class RawLayout(Layout):
         for p, st in zip(paths, sizes):
             if st.st_size != expected:
                 raise _size_error(p, st.st_size, expected, file_shape, dt, offset, len(paths))
-            files.append(FileEntry(p, offset, (p, st.st_size, st.st_mtime_ns)))
+            files.append(FileEntry(p, offset, identity_from_stat(p, st)))
         fs = FileStack(tuple(files), file_shape, dt, order, stacked=stacks(stack, paths))
         idx = fs.index(chunks, layout=self.name)
         return dataclasses.replace(idx, attrs=_stack_attrs(attrs, idx.stacked)) if attrs else idx

@@ -93,11 +93,13 @@ def forced_oom(folder: str) -> dict:
     try:
         vol = gpulazy.from_files(path, shape=data.shape, dtype="uint16", chunks=(16, side, side), device="cuda:0",
                                  cache=cache)
-        vol.max().compute(scheduler="sync")
+        vol.max().compute(scheduler="sync")  # fills the cache to its capacity
         pool.free_all_blocks()
         before = gpulazy.stats().snapshot()["oom_recoveries"].get("cuda:0", 0)
-        pool.set_limit(size=pool.used_bytes() + (48 << 20))
-        got = vol.astype("float32").max(axis=0).compute(scheduler="threads")
+        # Room for one step of the compute (a 64 MiB batch read, its float32 copies) but not
+        # beside the full cache: the first step runs out, evicts the cache and goes on.
+        pool.set_limit(size=pool.used_bytes() + (200 << 20))
+        got = vol.astype("float32").max(axis=0).compute(scheduler="sync")
         pool.set_limit(size=limit)
         ok = bool((cupy.asnumpy(got) == data.max(axis=0).astype("float32")).all())
         return {"correct": ok, "recoveries": gpulazy.stats().snapshot()["oom_recoveries"].get("cuda:0", 0) - before,

@@ -6,6 +6,7 @@ Imports Dask, so ``gpulazy.array`` imports it only when it builds a graph.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Any
 
 from dask._task_spec import DataNode, Task, TaskRef
@@ -30,6 +31,10 @@ def _prefetch_registered() -> bool:
     return any(_is_prefetch(cb) for cb in Callback.active)
 
 _MIN_BATCHES = 8
+# Batch keys are new for every compute: a batch that failed must never be taken for the
+# same key by a later compute (dask.distributed keeps an erred key while anything still
+# refers to the failed compute, e.g. the exception a caller holds on to).
+_next_id = itertools.count().__next__
 
 
 class ReadLayer(MaterializedLayer):
@@ -71,8 +76,8 @@ class ReadLayer(MaterializedLayer):
             size += nbytes
         if len(groups) == len(mine):  # every chunk alone in its batch: nothing to gain
             return super().cull(keys, all_hlg_keys)
-        # Deterministic (client and workers agree), cheap for 100k keys.
-        tag = hashlib.blake2b(repr((len(mine), mine[0], mine[-1], limit)).encode(), digest_size=8).hexdigest()
+        # Cheap for 100k keys; culling runs where the graph is submitted, so only that process names it.
+        tag = hashlib.blake2b(repr((len(mine), mine[0], mine[-1], limit, _next_id())).encode(), digest_size=8).hexdigest()
         bname = f"read-batch-{mine[0][0]}-{tag}"
         out: dict = {}
         for j, group in enumerate(groups):

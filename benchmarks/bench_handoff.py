@@ -98,7 +98,7 @@ def forced_oom(folder: str) -> dict:
         before = gpulazy.stats().snapshot()["oom_recoveries"].get("cuda:0", 0)
         # Room for one step of the compute (a 64 MiB batch read, its float32 copies) but not
         # beside the full cache: the first step runs out, evicts the cache and goes on.
-        pool.set_limit(size=pool.used_bytes() + (200 << 20))
+        pool.set_limit(size=pool.used_bytes() + (160 << 20))
         got = vol.astype("float32").max(axis=0).compute(scheduler="sync")
         pool.set_limit(size=limit)
         ok = bool((cupy.asnumpy(got) == data.max(axis=0).astype("float32")).all())

@@ -215,6 +215,8 @@ def test_to_torch_moves_to_the_host_when_asked():
 def test_real_oom_from_a_pool_limit_recovers(tmp_path):
     import cupy
 
+    import gc
+
     path, data = _raw(tmp_path, n=64, side=256)  # 8 MiB
     cache = gpulazy.DeviceCache(data.nbytes // 4, device="cuda:0")
     pool = cupy.get_default_memory_pool()
@@ -223,9 +225,11 @@ def test_real_oom_from_a_pool_limit_recovers(tmp_path):
         vol = gpulazy.from_files(path, shape=data.shape, dtype="uint16", chunks=(4, 256, 256), device="cuda:0",
                                  cache=cache)
         vol.sum().compute(scheduler="sync")  # fills the cache (2 MiB)
+        gc.collect()
         pool.free_all_blocks()
-        # Room for the cache's 2 MiB plus a little: reads must evict to get memory.
-        pool.set_limit(size=pool.used_bytes() + (1 << 20))
+        # Room for a step of the compute (a batch of reads, their float32 copies: ~5 MiB) but not
+        # beside the full cache as well: a read must evict to get memory.
+        pool.set_limit(size=pool.used_bytes() + (5 << 20))
         got = vol.astype("float32").max(axis=0).compute(scheduler="sync")
         pool.set_limit(size=limit)
         np.testing.assert_array_equal(cupy.asnumpy(got), data.max(axis=0).astype("float32"))

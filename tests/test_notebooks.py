@@ -83,7 +83,8 @@ def test_the_notebooks_exist_and_are_clean():
 CHECKS = {
     "01-quickstart": ["MIP matches NumPy: (512, 512) uint16", "read 64.0 MiB in", " 0 new bytes read"],
     "02-prefetch": ["with prefetch:", "without:", "hit rate 0%"],
-    "03-formats": ["LayoutError:", "uint16 (4, 4, 4, 4)"],
+    "03-formats": ["LayoutError:", "uint16 (4, 4, 4, 4)", "TIFF tiff (16, 64, 64) | deflate tiles: zlib",
+                   "Zarr (16, 64, 64) | OME-Zarr levels: [(16, 64, 64), (16, 32, 32)]", "HDF5 (16, 64, 64) uint16"],
     "04-torch-jax": ["TypeError: gpulazy.to_numpy got a lazy dask array", "ndarray float32 (2, 128, 128)"],
     "05-handoff-cluster": ["freed: {'cache_bytes'", "workers: 2 - MIP equal to NumPy: True",
                            "normalised: ndarray float32 (4, 128, 128)", "same memory as the chunk: True"],

@@ -1,4 +1,4 @@
-"""Motion-aware prefetch in a viewer: ``viewer.dims`` events feed ``gpulazy.motion``.
+"""Motion-aware prefetch in a viewer: ``viewer.dims`` events feed ``gpulazy.prefetch.motion``.
 
 ``attach(viewer)`` connects one ``ViewerPrefetch`` to ``viewer.dims.events.current_step``
 (after napari's own slicing, so the plane on screen is read first). On each step it
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from gpulazy.motion import MotionPrefetch
+from gpulazy.prefetch.motion import MotionPrefetch
 
 __all__ = ["attach", "detach", "ViewerPrefetch", "hook_of"]
 

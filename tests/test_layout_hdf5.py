@@ -545,3 +545,30 @@ def test_index_reads_no_data_through_h5py(tmp_path, monkeypatch):
     monkeypatch.setattr(h5py.Dataset, "read_direct", refuse)
     ix = layouts.index(p, dataset="data")
     assert math.prod(ix.numblocks) == 1 and len(next(iter(ix.specs.values())).tiles) == 4
+
+
+# -- the conformance suite every layout passes ------------------------------------------------------
+
+from gpulazy.testing import LayoutConformance  # noqa: E402
+
+
+class TestHdf5Conformance(LayoutConformance):
+    __test__ = True
+    layout_name = "hdf5"
+    open_kwargs = {"dataset": "/data"}
+
+    def make(self, tmp_path, array, **kw):
+        path = tmp_path / "data.h5"
+        chunks = tuple(max(1, n // 2) for n in array.shape)  # several stored chunks per axis
+        with h5py.File(path, "w") as f:
+            f.create_dataset("data", data=array, chunks=chunks, **kw)
+        return str(path)
+
+    def reference(self, path):
+        with h5py.File(path, "r") as f:
+            return f["data"][()]
+
+
+class TestGzipHdf5Conformance(TestHdf5Conformance):
+    def make(self, tmp_path, array, **kw):
+        return super().make(tmp_path, array, compression="gzip", shuffle=True, **kw)

@@ -583,3 +583,34 @@ def test_fuzzed_multiscales_attributes_give_layout_error_or_levels(ms, wrap):
         assert "root/zarr.json" in str(e)
     else:
         assert levels and all(isinstance(lv.path, str) for lv in levels)
+
+
+# -- the conformance suite every layout passes ------------------------------------------------------
+
+from gpulazy.testing import LayoutConformance  # noqa: E402
+
+
+class TestZarrConformance(LayoutConformance):
+    __test__ = True
+    layout_name = "zarr"
+
+    def make(self, tmp_path, array, **kw):
+        path = tmp_path / "data.zarr"
+        chunks = tuple(max(1, n // 2) for n in array.shape)  # several stored chunks per axis
+        z = zarr.create_array(path, shape=array.shape, chunks=chunks, dtype=array.dtype, zarr_format=3, **kw)
+        z[...] = array
+        return str(path)
+
+    def reference(self, path):
+        return zarr.open_array(path, mode="r")[...]
+
+
+class TestShardedZstdZarrConformance(TestZarrConformance):
+    def make(self, tmp_path, array, **kw):
+        path = tmp_path / "data.zarr"
+        inner = tuple(max(1, n // 4) for n in array.shape)
+        shards = tuple(2 * c for c in inner)
+        z = zarr.create_array(path, shape=array.shape, chunks=inner, shards=shards, dtype=array.dtype,
+                              zarr_format=3, compressors=ZstdCodec())
+        z[...] = array
+        return str(path)

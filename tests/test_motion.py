@@ -1,4 +1,4 @@
-"""gpulazy.motion: the cursor predictor (no viewer) and the read-ahead it drives on a real cache."""
+"""gpulazy.prefetch.motion: the cursor predictor (no viewer) and the read-ahead it drives on a real cache."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gpulazy
-from gpulazy.motion import MotionPredictor, MotionPrefetch, plane_specs
+from gpulazy.prefetch.motion import MotionPredictor, MotionPrefetch, plane_specs
 from test_cache import wait_idle
 
 

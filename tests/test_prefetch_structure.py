@@ -43,3 +43,9 @@ def test_public_names_kept():
     assert gpulazy.Prefetcher.__name__ == "Prefetcher"
     with gpulazy.prefetch(depth=2) as p:
         assert p.depth == 2
+
+
+def test_motion_imports_only_the_planner():
+    mods = {m for m in _gpulazy_imports(PKG / "motion.py") if m.startswith("gpulazy.prefetch")}
+    assert mods == {"gpulazy.prefetch.plan"}
+    assert not (PKG.parent / "motion.py").exists()  # one import path: gpulazy.prefetch.motion

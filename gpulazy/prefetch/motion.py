@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from gpulazy.prefetch import CACHE_FRACTION, ReadAheadPlan
+from gpulazy.prefetch.plan import CACHE_FRACTION, ReadAheadPlan
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["MotionPredictor", "MotionPrefetch", "plane_specs"]

@@ -163,7 +163,7 @@ def to_torch(x: Any, *, device: Any = None, copy: bool | None = None) -> Any:
     torch = _require("torch", "torch", "gpulazy.to_torch")
     target = _target(device)
     if target is not None and _device_of(x) != target.name:
-        return _moved(to_torch(x, copy=copy), target, torch, copy)
+        return _moved(to_torch(x), target, copy)  # share where it is, then one copy to the target
     if isinstance(x, torch.Tensor):
         return x.clone() if copy else x
     if isinstance(x, np.ndarray):
@@ -370,7 +370,7 @@ def _device_of(x: Any) -> str:
     return "cpu"
 
 
-def _moved(t: Any, target: Any, torch: Any, copy: bool | None) -> Any:
+def _moved(t: Any, target: Any, copy: bool | None) -> Any:
     if copy is False:
         raise _no_copy_error("array", f"it is on {t.device}, not {target.name}")
     return t.to(target.name, non_blocking=False)

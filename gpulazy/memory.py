@@ -9,7 +9,7 @@ how many are free and how many gpulazy still holds.
 >>> import gpulazy
 >>> report = gpulazy.release()
 >>> sorted(report)
-['cache_bytes', 'caches', 'pinned_bytes', 'pool_bytes']
+['cache_bytes', 'caches', 'pinned_blocks', 'pool_bytes']
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _caches(device: Device | None) -> list[Any]:
 
 
 def _free_pools() -> tuple[int, int]:
-    """Return CuPy's free pool blocks (device, pinned); bytes given back. CuPy is not imported here."""
+    """Return CuPy's free pool blocks: (device bytes, pinned blocks) given back. CuPy is not imported here."""
     cupy = sys.modules.get("cupy")
     if cupy is None:
         return 0, 0
@@ -45,7 +45,7 @@ def _free_pools() -> tuple[int, int]:
     pinned_before = pinned.n_free_blocks()
     pool.free_all_blocks()
     pinned.free_all_blocks()
-    # The pinned pool reports blocks, not bytes; count what it held as free before.
+    # CuPy's pinned pool reports how many blocks it holds, not their bytes.
     return int(before), int(pinned_before)
 
 
@@ -61,8 +61,8 @@ def release(device: Any = None) -> dict[str, int]:
     -------
     dict
         ``cache_bytes`` (bytes the caches held), ``caches`` (how many were emptied),
-        ``pool_bytes`` (free CuPy pool bytes given back to the driver), ``pinned_bytes``
-        (free pinned host blocks given back).
+        ``pool_bytes`` (free CuPy pool bytes given back to the driver), ``pinned_blocks``
+        (free pinned host blocks given back; CuPy does not report their bytes).
     """
     dev = get_device(device) if device is not None else None
     caches = _caches(dev)
@@ -71,7 +71,7 @@ def release(device: Any = None) -> dict[str, int]:
         held += cache.bytes_held
         cache.clear()
     pool, pinned = _free_pools()
-    return {"cache_bytes": held, "caches": len(caches), "pool_bytes": pool, "pinned_bytes": pinned}
+    return {"cache_bytes": held, "caches": len(caches), "pool_bytes": pool, "pinned_blocks": pinned}
 
 
 def make_room(device: Device) -> int:

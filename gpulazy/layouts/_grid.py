@@ -11,6 +11,7 @@ straight into place, no assembly).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, Callable, Sequence
@@ -83,7 +84,7 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
     from gpulazy.spec import file_identity
 
     shape, stored = tuple(shape), tuple(max(1, s) for s in stored)
-    ident = identity or _memo(file_identity)
+    ident = identity or functools.cache(file_identity)  # one stat per file, not per tile
     dt = np.dtype(dtype).str
     edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
     specs: dict[tuple[int, ...], ChunkSpec] = {}
@@ -130,13 +131,3 @@ def _in_order(tiles: Sequence[Tile], bshape: tuple[int, ...]) -> bool:
         at += t.shape[0]
     return at == bshape[0]
 
-
-def _memo(fn: Callable) -> Callable:
-    seen: dict = {}
-
-    def get(path: str):
-        if path not in seen:
-            seen[path] = fn(path)
-        return seen[path]
-
-    return get

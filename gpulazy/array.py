@@ -77,6 +77,17 @@ class ChunkSource:
         return checked_read(spec, self.backend_instance(), verify=self.verify,
                             staged=config.get("staging") != "never")
 
+    def start(self, specs: list[ChunkSpec]) -> list[Any]:
+        """Start reading ``specs`` now, from this thread, bypassing any cache (for read-ahead).
+
+        Returns pending reads (``gpulazy.integrity.checked_start``): ``done()`` never
+        blocks, ``result()`` waits and returns the chunk's array, checked as ``read``
+        checks it.
+        """
+        from gpulazy.integrity import checked_start
+
+        return checked_start(list(specs), self.backend_instance(), staged=config.get("staging") != "never")
+
     def load_many(self, specs: tuple[ChunkSpec, ...]) -> list[Any]:
         """Several chunks' arrays: cached ones from the cache, the others read in one batch.
 
@@ -98,10 +109,12 @@ class ChunkSource:
 
         check_all_unchanged(specs)  # a cached chunk of a file changed since indexing is never served
         cache = self.cache_instance()
-        arrays: list[Any] = [None] * len(specs)
+        arrays: list[Any] = cache.get_cached(specs) if cache is not None else [None] * len(specs)
         todo = []
         for i, spec in enumerate(specs):
-            if cache is not None and cache.holds(spec):  # cached, or a prefetch of it is under way
+            if arrays[i] is not None:
+                continue
+            if cache is not None and cache.holds(spec):  # a prefetch of it is under way
                 arrays[i] = cache.get(spec, self.read)  # a hit (or, if evicted meanwhile, a read)
             else:
                 todo.append(i)

@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -60,6 +60,9 @@ from gpulazy.spec import ChunkSpec
 __all__ = ["DeviceCache", "default_cache", "cache_by_name", "open_caches", "resolve_capacity"]
 
 Loader = Callable[[ChunkSpec], Any]
+#: ``start(specs) -> [pending, ...]``: reads submitted now; ``pending.done()`` never blocks,
+#: ``pending.result()`` waits and returns the chunk's array; ``pending.spec`` is its spec.
+Starter = Callable[[list], list]
 
 # How long close() waits, in all, for its worker threads (a worker inside a load
 # finishes that load first; threads are daemons, so exit is never blocked for longer).
@@ -118,13 +121,18 @@ class _Entry:
 class _Job:
     """A load in flight: its future, who started it, and who waits on it."""
 
-    __slots__ = ("future", "prefetch", "waiters", "used")
+    __slots__ = ("future", "prefetch", "waiters", "used", "pending", "reserved", "t0")
 
     def __init__(self, prefetch: bool):
         self.future: Future = Future()
         self.prefetch = prefetch
         self.waiters = 0
         self.used = False  # a get already counted this prefetch as a prefetch hit
+        # A read started by ``prefetch(..., start=)``: finished by whoever claims it first
+        # (a ``get``, ``poll``, ``cancel`` or ``close``), never by a thread of the cache's.
+        self.pending: Any = None
+        self.reserved = 0
+        self.t0 = 0.0
 
 
 _COUNTERS = ("hits", "misses", "prefetched", "prefetch_hits", "prefetch_skipped", "evictions",
@@ -275,6 +283,7 @@ class DeviceCache:
         """
         key = spec.key
         while True:
+            pending = None
             with self._lock:
                 entry = self._entries.get(key)
                 if entry is not None:
@@ -288,11 +297,14 @@ class DeviceCache:
                 else:
                     job.waiters += 1
                     owner = False
+                    pending, job.pending = job.pending, None  # a started prefetch: this thread finishes it
             if entry is not None:
                 return self._copy_out(entry.array, entry)
             assert job is not None
             if owner:
                 return self._load_for_get(spec, load, job)
+            if pending is not None:
+                self._finish_started(key, job, pending)
             try:
                 result = job.future.result()
             except BaseException:
@@ -306,6 +318,35 @@ class DeviceCache:
                     entry.pins += 1
                     result = entry.array
             return self._copy_out(result, entry)
+
+    def get_cached(self, specs: Iterable[ChunkSpec]) -> list[Any]:
+        """Copies of the chunks of ``specs`` that are cached now (``None`` for the others).
+
+        Like a ``get`` hit for each cached chunk (counted as hits), but the copies are
+        issued together and waited for once: a recompute over cached data is bound by the
+        device's copy rate, not by one stream synchronisation per chunk.
+        """
+        specs = list(specs)
+        found: list[_Entry | None] = []
+        with self._lock:
+            for spec in specs:
+                entry = self._entries.get(spec.key)
+                if entry is not None:
+                    self._count_hit(spec.key, entry, None)
+                    entry.pins += 1
+                found.append(entry)
+        out: list[Any] = [None] * len(specs)
+        try:
+            with own_stream(self.device):  # done before they are handed out: valid on any stream
+                for i, entry in enumerate(found):
+                    if entry is not None:
+                        out[i] = entry.array.copy(order="K")
+        finally:
+            with self._lock:
+                for entry in found:
+                    if entry is not None:
+                        entry.pins -= 1
+        return out
 
     def get_region(self, spec: ChunkSpec, load: Loader, region: tuple) -> Any:
         """``get(spec, load)[region]`` as the caller's own array, copying only ``region`` on a hit.
@@ -356,18 +397,27 @@ class DeviceCache:
                 entry.pins -= 1
         return True
 
-    def prefetch(self, specs: Iterable[ChunkSpec], load: Loader) -> int:
+    def prefetch(self, specs: Iterable[ChunkSpec], load: Loader, start: Starter | None = None) -> int:
         """Start warming ``specs`` in the background; returns at once.
 
         Chunks already cached (their LRU position is refreshed), in flight or queued
-        are skipped, as are chunks larger than the capacity. Worker threads (config
-        ``"threads"``, at most 8) start on first use.
+        are skipped, as are chunks larger than the capacity.
+
+        Without ``start``, the chunks are queued for worker threads (config ``"threads"``,
+        at most 8, started on first use) that call ``load``. With ``start``
+        (``ChunkSource.start``), ``start(specs)`` submits the reads of every chunk that has
+        room right here, in the calling thread, and returns pending reads that finish
+        without any Python thread of ours: the first ``get`` of a chunk (or ``poll``)
+        finishes it. Worker threads need the GIL for every chunk, so a thread busy in
+        Python (a launch-bound compute) would starve them; ``start`` does not.
 
         Returns
         -------
         int
-            How many chunks were queued.
+            How many chunks were queued or started.
         """
+        if start is not None:
+            return self._prefetch_started(specs, start)
         queued = 0
         with self._lock:
             if self._closed:
@@ -401,7 +451,114 @@ class DeviceCache:
             else:
                 n = sum(self._queue.pop(s.key, None) is not None for s in specs)
             self._counts["cancelled"] += n
+        self._settle_started(None if specs is None else {s.key for s in specs}, keep=True)
         return n
+
+    def poll(self) -> int:
+        """Finish the started prefetches whose reads are complete (never blocks); how many.
+
+        Called by ``gpulazy.prefetch`` as each task starts, so their chunks are cached
+        and their copies to the device issued before a task asks for them.
+        """
+        with self._lock:
+            started = [(k, j) for k, j in self._jobs.items() if j.pending is not None]
+        n = 0
+        for key, job in started:
+            pending = job.pending
+            if pending is None or not pending.done():
+                continue
+            with self._lock:
+                if job.pending is not pending:
+                    continue  # claimed meanwhile
+                job.pending = None
+            self._finish_started(key, job, pending)
+            n += 1
+        return n
+
+    def _prefetch_started(self, specs: Iterable[ChunkSpec], start: Starter) -> int:
+        with self._lock:
+            if self._closed:
+                return 0
+            todo: list[tuple[ChunkSpec, _Job]] = []
+            for spec in specs:
+                key = spec.key
+                if key in self._entries:
+                    self._entries.move_to_end(key)  # wanted soon: evict it last
+                    continue
+                if key in self._jobs or key in self._queue:
+                    continue
+                nbytes = spec.out_nbytes
+                if (nbytes > self._capacity or not self._readahead_room(nbytes)
+                        or not self._reserve(nbytes, prefetch=True)):
+                    self._counts["prefetch_skipped"] += 1
+                    continue
+                job = self._start_job(key, prefetch=True)
+                job.reserved = nbytes
+                todo.append((spec, job))
+            if not todo:
+                return 0
+            # Submitting is quick (no waiting); holding the lock means no get sees a
+            # started job before its pending read is attached.
+            t0 = time.perf_counter()
+            error: BaseException | None = None
+            try:
+                pendings = start([spec for spec, _ in todo])
+            except BaseException as e:  # recorded; a later get reads again and raises
+                error, failed = e, todo
+            else:
+                failed = []
+                for (spec, job), pending in zip(todo, pendings):
+                    job.pending, job.t0 = pending, t0
+        for spec, job in failed:
+            with self._lock:
+                self._reserved -= job.reserved
+            self._fail(spec.key, job, error)
+        return len(todo) - len(failed)
+
+    def _finish_started(self, key: str, job: _Job, pending: Any) -> None:
+        """Wait for a started read this thread has claimed, and cache it; errors are recorded."""
+        reserved, job.reserved = job.reserved, 0
+        try:
+            array = pending.result()
+        except BaseException as e:  # recorded; a later get reads again and raises
+            with self._lock:
+                self._reserved -= reserved
+            self._fail(key, job, e)
+            return
+        try:  # ``_store`` gives the reservation back first, whatever happens after
+            stored = self._store(pending.spec, array, time.perf_counter() - job.t0, job, reserved=reserved)
+        except BaseException as e:
+            self._fail(key, job, e)
+            return
+        with self._lock:
+            self._jobs.pop(key, None)
+            if stored is not None:
+                self._counts["prefetched"] += 1
+        job.future.set_result(stored if stored is not None else array)
+
+    def _settle_started(self, keys: set | None, *, keep: bool) -> None:
+        """Finish started prefetches (of ``keys``, or all): their reads write into buffers
+        until they complete. ``keep``: cache them (else they are dropped)."""
+        with self._lock:
+            claimed = []
+            for key, job in self._jobs.items():
+                if job.pending is not None and (keys is None or key in keys):
+                    claimed.append((key, job, job.pending))
+                    job.pending = None
+        for key, job, pending in claimed:
+            if keep:
+                self._finish_started(key, job, pending)
+                continue
+            try:
+                pending.result()
+            except BaseException:
+                pass
+            with self._lock:
+                self._reserved -= job.reserved
+                job.reserved = 0
+                if self._jobs.get(key) is job:
+                    del self._jobs[key]
+            job.future.set_exception(CancelledError(f"prefetch of {key} dropped: the cache was cleared"))
 
     def shrink_readahead(self) -> float:
         """Halve the room read-ahead may take (after an out-of-memory); the new fraction."""
@@ -423,6 +580,7 @@ class DeviceCache:
             self._queue.clear()
             self._entries.clear()
             self._held = 0
+        self._settle_started(None, keep=False)
 
     def stats(self) -> dict[str, Any]:
         """A consistent snapshot of the counters, safe to call from any thread.
@@ -475,6 +633,7 @@ class DeviceCache:
             self._held = 0
             self._wake.notify_all()
             threads, self._threads = self._threads, []
+        self._settle_started(None, keep=False)
         deadline = time.monotonic() + _JOIN_SECONDS
         for t in threads:
             if t is not threading.current_thread():

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from gpulazy.errors import ChunkReadError
 from gpulazy.spec import ChunkSpec, identity_from_stat
 
-__all__ = ["check_unchanged", "check_all_unchanged", "as_read_error", "checked_read"]
+__all__ = ["check_unchanged", "check_all_unchanged", "as_read_error", "checked_read", "checked_start"]
 
 _FIELDS = ("path", "size", "mtime_ns", "inode", "ctime_ns")
 
@@ -117,3 +117,39 @@ def checked_read(spec: ChunkSpec, backend: Any, *, verify: bool = False, check_b
         verify_chunk(buf, spec)
     check_unchanged(spec)  # written to during the read: the bytes may be half old, half new
     return decode(buf, spec, backend.device)
+
+
+class CheckedPending:
+    """A ``PendingChunk`` whose ``result()`` applies ``checked_read``'s checks after the read."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: Any):
+        self.pending = pending
+
+    @property
+    def spec(self) -> ChunkSpec:
+        return self.pending.spec
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+    def result(self) -> Any:
+        spec = self.pending.spec
+        try:
+            arr = self.pending.result()
+        except OSError as e:
+            raise as_read_error(e, spec) from e
+        check_unchanged(spec)  # written to during the read: the bytes may be half old, half new
+        return arr
+
+
+def checked_start(specs: list[ChunkSpec], backend: Any, *, staged: bool | None = None) -> list[CheckedPending]:
+    """Start reading ``specs`` now (``gpulazy.io.start_chunks``), checked as ``checked_read`` checks.
+
+    The files are stat'ed before the reads are submitted and again by each ``result()``.
+    """
+    from gpulazy.io import start_chunks
+
+    check_all_unchanged(specs)
+    return [CheckedPending(p) for p in start_chunks(specs, backend, staged=staged)]

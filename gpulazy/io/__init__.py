@@ -13,7 +13,7 @@ from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 from gpulazy.device import Device, get_device
 from gpulazy.errors import BackendUnavailableError
 from gpulazy.io._base import Backend, ReadFuture
-from gpulazy.io._read import decode, read_chunk, read_chunks, submit_chunk
+from gpulazy.io._read import PendingChunk, decode, read_chunk, read_chunks, start_chunks, submit_chunk
 
 __all__ = [
     "Backend",
@@ -25,6 +25,8 @@ __all__ = [
     "get_backend",
     "read_chunk",
     "read_chunks",
+    "start_chunks",
+    "PendingChunk",
     "submit_chunk",
     "decode",
 ]

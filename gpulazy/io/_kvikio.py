@@ -30,7 +30,7 @@ import os
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -50,9 +50,9 @@ _PROBE_BYTES = (1 << 20) + 4097  # above gds_threshold, with an unaligned tail
 class KvikioBackend(Backend):
     """``kvikio.CuFile.pread`` into CuPy buffers (GDS where possible, else KvikIO's compat mode).
 
-    ``submit`` hands each range to KvikIO's thread pool at once; a small waiter pool
-    owns the open file handles until their reads finish, then closes them, checks
-    byte counts and records the read with the mode that served it.
+    ``submit`` hands each range to KvikIO's thread pool at once, from the caller's
+    thread; the batch holds its open file handles until its reads finish, then gives
+    them back, checks byte counts and records the read with the mode that served it.
     """
 
     name = "kvikio"
@@ -70,8 +70,8 @@ class KvikioBackend(Backend):
         monitor_cls = getattr(kvikio, "SummaryMonitor", None)
         self._monitor = monitor_cls() if monitor_cls is not None else None
         self._monitor_lock = threading.Lock()
-        # Threads that wait on KvikIO futures; the I/O itself runs on KvikIO's pool.
-        self._waiters = ThreadPoolExecutor(max(4, self.threads), thread_name_prefix=f"gpulazy-kvikio-{device.name}")
+        # Batches whose reads may still be in flight (``close`` waits for them).
+        self._batches: weakref.WeakSet[_Batch] = weakref.WeakSet()
         # Files stay open between reads (thousands of tiles reread the same files).
         self._handles = HandleCache(lambda path: kvikio.CuFile(path, "r"), lambda f: f.close())
         self._last_mode: str | None = None
@@ -97,82 +97,26 @@ class KvikioBackend(Backend):
 
     def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None
                     ) -> list[ReadFuture]:
-        """Every read of ``jobs`` handed to KvikIO by one waiting thread (see ``_read_many``)."""
+        """Hand every range of ``jobs`` to KvikIO now, from the calling thread; see ``_Batch``.
+
+        No Python thread of ours waits on the reads: KvikIO's C++ pool runs them without
+        the GIL, and whichever thread first asks a future for its result (or polls it with
+        ``done()``) finishes that job. So a thread busy in Python (a launch-bound compute)
+        cannot starve the reads, which a waiting thread of ours needing the GIL after
+        every range would be.
+        """
         self._check_open()
         jobs = [(_merge(list(ranges)), out, self._check_out(ranges, out)) for ranges, out in jobs]
         if staged is None:
             staged = config.get("staging") == "always"
-        future = self._waiters.submit(self._read_many, jobs, bool(staged))
-        return [ReadFuture([future], lambda values, i=i: values[0][i]) for i in range(len(jobs))]
+        batch = _Batch(self, jobs, bool(staged))
+        return [ReadFuture([_JobPart(batch, j)], _first) for j in range(len(jobs))]
 
     def close(self) -> None:
         super().close()
-        self._waiters.shutdown(wait=True)
+        for batch in list(self._batches):
+            batch.settle_all()  # KvikIO's workers use the handles and buffers until then
         self._handles.close()
-
-    # -- internals ------------------------------------------------------------------------
-    def _read_many(self, jobs: list[tuple[list[ByteRange], Any, int]], staged: bool) -> list[int]:
-        """Submit every range of every job, then wait; one thread, so one GIL hand-off per wait.
-
-        ``staged``: KvikIO reads into one pinned host buffer (plain ``pread``s on its
-        thread pool, no CUDA stream of KvikIO's involved), and each job's bytes go to the
-        device by one ``cudaMemcpyAsync`` on gpulazy's non-blocking stream as soon as its
-        reads are in; the thread waits on that stream only. Kernels on CuPy's legacy default
-        stream then never wait for our copies, nor ours for them.
-        """
-        started = time.perf_counter()
-        before = self._snapshot()
-        held: dict[str, Any] = {}
-        pending: list[tuple[int, ByteRange, Any]] = []
-        errors: list[BaseException] = []
-        host = None
-        try:
-            with self.device.activate():
-                if staged:
-                    host, hview = _pinned(sum(n for _, _, n in jobs))
-                at = 0
-                for j, (ranges, out, nbytes) in enumerate(jobs):
-                    dst = 0
-                    for r in ranges:
-                        h = held.get(r.path) or self._acquire(r.path, held)
-                        if r.nbytes:
-                            dest = hview[at + dst: at + dst + r.nbytes] if staged else out[dst: dst + r.nbytes]
-                            pending.append((j, r, self._pread(h.obj, r, dest)))
-                        dst += r.nbytes
-                    at += nbytes
-        except BaseException as e:
-            errors.append(e)
-        # Every future is waited on before any handle is given back: KvikIO's workers use them.
-        left = [0] * len(jobs)
-        for j, _, _ in pending:
-            left[j] += 1
-        offsets = list(itertools.accumulate((n for _, _, n in jobs), initial=0))
-        stream = _stream(self.device) if staged else None
-        for j, r, fut in pending:
-            try:
-                got = fut.get()
-                if got != r.nbytes:
-                    errors.append(short_read_error(r, got, backend=self.name))
-            except BaseException as e:
-                errors.append(_read_failure(r, e))
-            left[j] -= 1
-            if staged and left[j] == 0 and not errors:
-                _copy_async(jobs[j][1], host, offsets[j], jobs[j][2], stream)
-        if staged:
-            try:
-                stream.synchronize()  # our stream only: the copies of this batch have left ``host``
-            except BaseException as e:
-                errors.append(e)
-        for h in held.values():
-            self._handles.release(h)
-        if errors:
-            self._record_error()
-            raise errors[0]
-        nbytes = sum(n for _, _, n in jobs)
-        mode = self._mode_since(before)  # (staged or not, KvikIO's own mode: gds or compat)
-        self._last_mode = mode
-        self._record(nbytes, started, mode)
-        return [n for _, _, n in jobs]
 
     def _acquire(self, path: str, held: dict[str, Any]) -> Any:
         # KvikIO raises a bare RuntimeError for a missing file and opens directories;
@@ -208,6 +152,202 @@ class KvikioBackend(Backend):
         with self._monitor_lock:
             delta = self._monitor.since(before)
         return _mode_from_summary(delta) or _preferred_mode(self._kvikio)
+
+
+def _first(values: list[Any]) -> int:
+    return values[0]
+
+
+class _JobPart:
+    """One job of a ``_Batch``, as a part of a ``ReadFuture``."""
+
+    __slots__ = ("batch", "j")
+
+    def __init__(self, batch: _Batch, j: int):
+        self.batch, self.j = batch, j
+
+    def done(self) -> bool:
+        return self.batch.progress(self.j)
+
+    def result(self) -> int:
+        return self.batch.wait(self.j)
+
+
+class _Batch:
+    """The reads of one ``submit_many``, submitted at creation by the calling thread.
+
+    Direct (``staged=False``): KvikIO reads into the jobs' device buffers (in compat mode
+    through its bounce buffers and its own per-thread CUDA streams, which are blocking:
+    their copies wait for kernels on CuPy's legacy default stream, and those kernels for
+    them).
+
+    Staged: KvikIO reads into one pinned host buffer (plain ``pread``s on its pool, no
+    CUDA stream of KvikIO's involved), and each job's bytes go to the device by one
+    ``cudaMemcpyAsync`` on the finishing thread's non-blocking ``gpulazy_stream``, with an
+    event recorded after it; the job is handed out once that event has completed.
+    Kernels on the legacy stream then never wait for our copies, nor ours for them.
+
+    ``progress(j)`` (from ``ReadFuture.done``) never blocks: it issues job ``j``'s copy as
+    soon as its reads are in, so a poller (``gpulazy.prefetch``) gets the copy going
+    early. ``wait(j)`` blocks until job ``j`` is on the device. Handles go back and the
+    read is recorded once every job has been waited for; the pinned buffer is dropped then.
+    """
+
+    def __init__(self, backend: KvikioBackend, jobs: list[tuple[list[ByteRange], Any, int]], staged: bool):
+        self.backend = backend
+        self.jobs = jobs
+        self.staged = staged
+        self._lock = threading.RLock()
+        self._started = time.perf_counter()
+        self._before = backend._snapshot()
+        self._held: dict[str, Any] = {}
+        self._reads: list[list[tuple[ByteRange, Any]]] = [[] for _ in jobs]
+        self._errors: list[BaseException | None] = [None] * len(jobs)
+        self._events: list[Any] = [None] * len(jobs)
+        self._result: list[int | None] = [None] * len(jobs)
+        self._left = len(jobs)
+        self._host = self._hview = None
+        self._offsets = list(itertools.accumulate((n for _, _, n in jobs), initial=0))
+        backend._batches.add(self)
+        self._submit()
+
+    def _submit(self) -> None:
+        backend = self.backend
+        with backend.device.activate():
+            if self.staged:
+                try:
+                    self._host, self._hview = _pinned(self._offsets[-1])
+                except BaseException as e:
+                    self._errors = [e] * len(self.jobs)
+                    return
+            for j, (ranges, out, _) in enumerate(self.jobs):
+                at, dst = self._offsets[j], 0
+                try:
+                    for r in ranges:
+                        h = self._held.get(r.path) or backend._acquire(r.path, self._held)
+                        if r.nbytes:
+                            dest = (self._hview[at + dst: at + dst + r.nbytes] if self.staged
+                                    else out[dst: dst + r.nbytes])
+                            self._reads[j].append((r, backend._pread(h.obj, r, dest)))
+                        dst += r.nbytes
+                except BaseException as e:
+                    self._errors[j] = e  # the ranges already submitted are still waited for
+
+    # -- finishing ---------------------------------------------------------------------
+    def progress(self, j: int) -> bool:
+        """Whether job ``j`` is complete; never blocks (issues its copy once its reads are in)."""
+        if self._result[j] is not None:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._result[j] is not None:
+                return True
+            if not all(fut.done() for _, fut in self._reads[j]):
+                return False
+            if self.staged and self._events[j] is None and self._errors[j] is None:
+                self._collect(j)
+                if self._errors[j] is None:
+                    self._copy(j)
+            event = self._events[j]
+            return event is None or bool(event.done)
+        finally:
+            self._lock.release()
+
+    def wait(self, j: int) -> int:
+        """Block until job ``j`` is on the device; its byte count, or its error."""
+        with self._lock:
+            if self._result[j] is None:
+                self._collect(j)
+                if self.staged and self._errors[j] is None and self._events[j] is None:
+                    self._copy(j)
+                if self.staged:
+                    self._copy_ready(j)
+                if self._events[j] is not None:
+                    try:
+                        self._events[j].synchronize()
+                    except BaseException as e:
+                        self._errors[j] = self._errors[j] or e
+                self._result[j] = self.jobs[j][2]
+                self._left -= 1
+                if self._left == 0:
+                    self._close()
+            error = self._errors[j]
+        if error is not None:
+            raise error
+        return self.jobs[j][2]
+
+    def settle_all(self) -> None:
+        """Wait for every job (errors kept for their futures): nothing is left in flight."""
+        for j in range(len(self.jobs)):
+            try:
+                self.wait(j)
+            except BaseException:
+                pass
+
+    def _copy_ready(self, j: int) -> None:
+        # Lock held. Before blocking on job ``j``'s copy, queue the copies of the jobs whose
+        # reads are in already, so the copies of a batch follow each other on the stream.
+        for k in range(len(self.jobs)):
+            if (k != j and self._result[k] is None and self._events[k] is None and self._errors[k] is None
+                    and all(fut.done() for _, fut in self._reads[k])):
+                self._collect(k)
+                if self._errors[k] is None:
+                    self._copy(k)
+
+    def _collect(self, j: int) -> None:
+        # Lock held. Wait for the reads of job ``j`` (each future once) and check byte counts.
+        reads, self._reads[j] = self._reads[j], []
+        for r, fut in reads:
+            try:
+                got = fut.get()
+                if got != r.nbytes:
+                    raise short_read_error(r, got, backend=self.backend.name)
+            except BaseException as e:
+                if self._errors[j] is None:
+                    self._errors[j] = _read_failure(r, e)
+
+    def _copy(self, j: int) -> None:
+        # Lock held; job ``j``'s reads are in host memory.
+        import cupy
+
+        _, out, nbytes = self.jobs[j]
+        try:
+            with self.backend.device.activate():
+                stream = _stream(self.backend.device)
+                _copy_async(out, self._host, self._offsets[j], nbytes, stream)
+                event = cupy.cuda.Event(disable_timing=True)
+                event.record(stream)
+                self._events[j] = event
+        except BaseException as e:
+            self._errors[j] = e
+
+    def _close(self) -> None:
+        # Lock held; every job waited for: give the handles back, record, drop the pinned buffer.
+        backend = self.backend
+        for h in self._held.values():
+            backend._handles.release(h)
+        self._held.clear()
+        self._host = self._hview = None
+        self._events = [None] * len(self.jobs)
+        backend._batches.discard(self)
+        failed = sum(e is not None for e in self._errors)
+        for _ in range(failed):
+            backend._record_error()
+        if failed < len(self.jobs):
+            mode = backend._mode_since(self._before)
+            backend._last_mode = mode
+            backend._record(sum(n for (_, _, n), e in zip(self.jobs, self._errors) if e is None), self._started,
+                            mode)
+
+    def __del__(self) -> None:
+        # A batch nobody waited for (a caller that raised early): its reads must not write
+        # into buffers freed under them, nor keep files open.
+        try:
+            if self._left:
+                self.settle_all()
+        except Exception:
+            pass
 
 
 def _merge(ranges: list[ByteRange]) -> list[ByteRange]:

@@ -15,7 +15,7 @@ from gpulazy.device import Device, own_stream
 from gpulazy.io._base import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_chunk", "read_chunks", "submit_chunk", "decode"]
+__all__ = ["read_chunk", "read_chunks", "start_chunks", "PendingChunk", "submit_chunk", "decode"]
 
 
 def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> tuple[ReadFuture, Any]:
@@ -43,18 +43,44 @@ def read_chunks(specs: list[ChunkSpec], backend: Backend, *, staged: bool | None
 
     Every read settles before an error is raised, so nothing writes into a dropped buffer.
     """
-    dev = backend.device
-    bufs = [dev.empty(s.nbytes) for s in specs]
-    futures = backend.submit_many([(s.ranges, b) for s, b in zip(specs, bufs)], staged=staged)
+    pending = start_chunks(specs, backend, staged=staged)
     errors: list[BaseException] = []
-    for f in futures:
+    for p in pending:
         try:
-            f.result()
+            p.future.result()
         except BaseException as e:
             errors.append(e)
     if errors:
         raise errors[0]
-    return [decode(b, s, dev) for s, b in zip(specs, bufs)]
+    return [p.result() for p in pending]
+
+
+class PendingChunk:
+    """A chunk whose read is in flight: ``done()`` never blocks, ``result()`` waits and decodes.
+
+    Either may be called from any thread; the first ``result()`` finishes the read there
+    (for KvikIO: waits for its ranges and, when staged, its copy to the device).
+    """
+
+    __slots__ = ("spec", "future", "buf", "device")
+
+    def __init__(self, spec: ChunkSpec, future: ReadFuture, buf: Any, device: Device):
+        self.spec, self.future, self.buf, self.device = spec, future, buf, device
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> Any:
+        self.future.result()
+        return decode(self.buf, self.spec, self.device)
+
+
+def start_chunks(specs: list[ChunkSpec], backend: Backend, *, staged: bool | None = None) -> list[PendingChunk]:
+    """Start reading ``specs`` in one submission from this thread; returns at once."""
+    dev = backend.device
+    bufs = [dev.empty(s.nbytes) for s in specs]
+    futures = backend.submit_many([(s.ranges, b) for s, b in zip(specs, bufs)], staged=staged)
+    return [PendingChunk(s, f, b, dev) for s, f, b in zip(specs, futures, bufs)]
 
 
 def decode(buf: Any, spec: ChunkSpec, device: Device) -> Any:

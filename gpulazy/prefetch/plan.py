@@ -382,9 +382,14 @@ class ReadAhead:
         try:
             # Chunks already cached are issued too: the cache skips them but moves them
             # to the young end of its LRU, so they stay until used.
+            # Reads are started here, in the scheduler's thread (``start``), and finished by
+            # the task that asks for the chunk, or by ``poll`` on a later event: no thread
+            # of ours needs the GIL while a compute holds it.
+            for cache in {id(c): c for c in self._caches.values() if c is not None}.values():
+                cache.poll()
             reads = self.plan.next_reads()
             for (source, cache), specs in self._group(reads).items():
-                cache.prefetch(specs, source.read)
+                cache.prefetch(specs, source.read, start=getattr(source, "start", None))
         except Exception as e:  # read-ahead must never break the computation it serves
             self.failed = e
             warnings.warn(f"gpulazy.prefetch: read-ahead stopped for this computation: {e!r}",

@@ -14,8 +14,9 @@ The cache never knows how bytes were read: callers hand it a ``load(spec)`` call
 - **Copies out**: every array handed out is the caller's own (a hit copies on the
   device; a miss caches a copy and hands out the loaded array), so writing into a
   result never corrupts the cache.
-- **Read-ahead that cannot hurt**: ``prefetch`` warms chunks on a few daemon threads,
-  skips those cached, in flight or queued, and never evicts a chunk that was
+- **Read-ahead that cannot hurt**: ``prefetch`` warms chunks (reads started in the
+  caller's thread with ``start=``, else on a few daemon threads), skips those cached,
+  in flight or queued, and never evicts a chunk that was
   prefetched but not used yet to make room for another prefetch (it skips instead).
   A prefetch read error is recorded (``stats()["errors"]``), never raised in the
   background; a later ``get`` of that chunk reads it again and raises if it fails.
@@ -423,17 +424,9 @@ class DeviceCache:
             if self._closed:
                 return 0
             for spec in specs:
-                key = spec.key
-                if key in self._entries:
-                    self._entries.move_to_end(key)  # wanted soon: evict it last
-                    continue
-                if key in self._jobs or key in self._queue:
-                    continue
-                if spec.out_nbytes > self._capacity or not self._readahead_room(spec.out_nbytes):
-                    self._counts["prefetch_skipped"] += 1
-                    continue
-                self._queue[key] = (spec, load)
-                queued += 1
+                if self._wanted(spec, reserve=False):
+                    self._queue[spec.key] = (spec, load)
+                    queued += 1
             if queued:
                 self._start_workers()
                 self._wake.notify(queued)
@@ -475,26 +468,32 @@ class DeviceCache:
             n += 1
         return n
 
+    def _wanted(self, spec: ChunkSpec, *, reserve: bool) -> bool:
+        """Whether to prefetch ``spec`` (lock held): not cached, in flight or queued, and room
+        for it (held for it now when ``reserve``). A cached chunk moves to the young end."""
+        key = spec.key
+        if key in self._entries:
+            self._entries.move_to_end(key)  # wanted soon: evict it last
+            return False
+        if key in self._jobs or key in self._queue:
+            return False
+        nbytes = spec.out_nbytes
+        if (nbytes > self._capacity or not self._readahead_room(nbytes)
+                or (reserve and not self._reserve(nbytes, prefetch=True))):
+            self._counts["prefetch_skipped"] += 1
+            return False
+        return True
+
     def _prefetch_started(self, specs: Iterable[ChunkSpec], start: Starter) -> int:
         with self._lock:
             if self._closed:
                 return 0
             todo: list[tuple[ChunkSpec, _Job]] = []
             for spec in specs:
-                key = spec.key
-                if key in self._entries:
-                    self._entries.move_to_end(key)  # wanted soon: evict it last
-                    continue
-                if key in self._jobs or key in self._queue:
-                    continue
-                nbytes = spec.out_nbytes
-                if (nbytes > self._capacity or not self._readahead_room(nbytes)
-                        or not self._reserve(nbytes, prefetch=True)):
-                    self._counts["prefetch_skipped"] += 1
-                    continue
-                job = self._start_job(key, prefetch=True)
-                job.reserved = nbytes
-                todo.append((spec, job))
+                if self._wanted(spec, reserve=True):
+                    job = self._start_job(spec.key, prefetch=True)
+                    job.reserved = spec.out_nbytes
+                    todo.append((spec, job))
             if not todo:
                 return 0
             # Submitting is quick (no waiting); holding the lock means no get sees a
@@ -513,6 +512,8 @@ class DeviceCache:
             with self._lock:
                 self._reserved -= job.reserved
             self._fail(spec.key, job, error)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # Ctrl-C or SystemExit while submitting: recorded, and on its way up
         return len(todo) - len(failed)
 
     def _finish_started(self, key: str, job: _Job, pending: Any) -> None:
@@ -524,11 +525,15 @@ class DeviceCache:
             with self._lock:
                 self._reserved -= reserved
             self._fail(key, job, e)
+            if not isinstance(e, Exception):
+                raise  # Ctrl-C while waiting: never swallowed
             return
         try:  # ``_store`` gives the reservation back first, whatever happens after
             stored = self._store(pending.spec, array, time.perf_counter() - job.t0, job, reserved=reserved)
         except BaseException as e:
             self._fail(key, job, e)
+            if not isinstance(e, Exception):
+                raise
             return
         with self._lock:
             self._jobs.pop(key, None)
@@ -545,20 +550,27 @@ class DeviceCache:
                 if job.pending is not None and (keys is None or key in keys):
                     claimed.append((key, job, job.pending))
                     job.pending = None
+        interrupted: BaseException | None = None
         for key, job, pending in claimed:
             if keep:
-                self._finish_started(key, job, pending)
+                try:
+                    self._finish_started(key, job, pending)
+                except BaseException as e:  # Ctrl-C: settle the others first, then raise it
+                    interrupted = interrupted or e
                 continue
             try:
                 pending.result()
-            except BaseException:
-                pass
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    interrupted = interrupted or e
             with self._lock:
                 self._reserved -= job.reserved
                 job.reserved = 0
                 if self._jobs.get(key) is job:
                     del self._jobs[key]
             job.future.set_exception(CancelledError(f"prefetch of {key} dropped: the cache was cleared"))
+        if interrupted is not None:
+            raise interrupted
 
     def shrink_readahead(self) -> float:
         """Halve the room read-ahead may take (after an out-of-memory); the new fraction."""

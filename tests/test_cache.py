@@ -672,3 +672,184 @@ def test_gpu_results_are_cupy_on_the_device(tmp_path):
         np.testing.assert_array_equal(h.get(), np_read(specs[0]))
     finally:
         cache.close()
+
+
+# --- read-ahead started in the caller's thread (``prefetch(..., start=)``) -----------
+
+
+class Pending:
+    """A read in flight as ``ChunkSource.start`` returns it: done when ``gate`` is set."""
+
+    def __init__(self, spec, gate, fail=False):
+        self.spec, self.gate, self.fail = spec, gate, fail
+        self.results = 0
+
+    def done(self):
+        return self.gate.is_set()
+
+    def result(self):
+        assert self.gate.wait(10), "test gate never opened"
+        self.results += 1
+        if self.fail:
+            raise OSError(f"cannot read {self.spec.paths[0]!r} at offset {self.spec.ranges[0].offset}")
+        return np_read(self.spec)
+
+
+class Starter:
+    """``start(specs)``: one ``Pending`` per spec, all behind one gate unless given one each."""
+
+    def __init__(self, gates=None, fail=(), raises=None):
+        self.gates = gates or {}
+        self.fail = {s.key for s in fail}
+        self.raises = raises
+        self.started: list[Pending] = []
+        self.thread_ids: set[int] = set()
+        self.gate = threading.Event()
+
+    def __call__(self, specs):
+        self.thread_ids.add(threading.get_ident())
+        if self.raises is not None:
+            raise self.raises
+        out = [Pending(s, self.gates.get(s.key, self.gate), s.key in self.fail) for s in specs]
+        self.started += out
+        return out
+
+
+def test_started_prefetch_runs_in_the_callers_thread_and_get_finishes_it(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=4)
+    cache = caches("1 MiB", device="cpu")
+    start, load = Starter(), Loader()
+    assert cache.prefetch(specs, load, start=start) == 4
+    assert start.thread_ids == {threading.get_ident()}
+    st = cache.stats()
+    assert st["in_flight"] == 4 and st["bytes_reserved"] == sum(s.out_nbytes for s in specs)
+    assert cache._threads == []                      # no worker thread: nothing needs the GIL to progress
+    start.gate.set()
+    for s in specs:
+        np.testing.assert_array_equal(cache.get(s, load), np_read(s))
+    st = cache.stats()
+    assert load.count == 0 and (st["prefetched"], st["prefetch_hits"], st["misses"]) == (4, 4, 0)
+    assert st["bytes_reserved"] == 0 and st["bytes_held"] == sum(s.out_nbytes for s in specs)
+    assert [p.results for p in start.started] == [1, 1, 1, 1]     # each read finished once
+
+
+def test_poll_finishes_completed_reads_and_never_blocks(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=3)
+    cache = caches("1 MiB", device="cpu")
+    gates = {s.key: threading.Event() for s in specs}
+    start = Starter(gates)
+    cache.prefetch(specs, Loader(), start=start)
+    gates[specs[1].key].set()
+    t0 = time.perf_counter()
+    assert cache.poll() == 1
+    assert time.perf_counter() - t0 < 5                 # the two closed gates were not waited on
+    assert specs[1] in cache and specs[0] not in cache and cache.stats()["in_flight"] == 2
+    assert cache.poll() == 0
+    for g in gates.values():
+        g.set()
+    assert cache.poll() == 2 and cache.stats()["in_flight"] == 0
+
+
+def test_started_prefetch_error_is_recorded_then_get_reads_again(tmp_path, caches):
+    path, specs = make_file(tmp_path, nchunks=2)
+    cache = caches("1 MiB", device="cpu")
+    start, load = Starter(fail=specs[:1]), Loader(fail=specs[:1])
+    cache.prefetch(specs, load, start=start)
+    start.gate.set()
+    assert cache.poll() == 2
+    st = cache.stats()
+    assert st["errors"] == 1 and st["prefetched"] == 1 and path in st["last_error"] and st["bytes_reserved"] == 0
+    with pytest.raises(OSError, match="cannot read"):
+        cache.get(specs[0], load)
+    assert load.calls == [specs[0].key]                  # read again on demand, and that raised
+
+
+def test_get_claiming_a_failing_started_read_reads_again(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=1)
+    cache = caches("1 MiB", device="cpu")
+    start, load = Starter(fail=specs), Loader()
+    cache.prefetch(specs, load, start=start)
+    start.gate.set()
+    np.testing.assert_array_equal(cache.get(specs[0], load), np_read(specs[0]))
+    assert load.count == 1 and cache.stats()["errors"] == 1 and specs[0] in cache
+
+
+def test_start_that_raises_gives_the_room_back(tmp_path, caches):
+    path, specs = make_file(tmp_path, nchunks=3)
+    cache = caches("1 MiB", device="cpu")
+    start = Starter(raises=OSError(f"cannot open {path!r}"))
+    assert cache.prefetch(specs, Loader(), start=start) == 0
+    st = cache.stats()
+    assert (st["errors"], st["in_flight"], st["bytes_reserved"]) == (3, 0, 0) and path in st["last_error"]
+    np.testing.assert_array_equal(cache.get(specs[2], Loader()), np_read(specs[2]))
+
+
+def test_started_prefetches_never_exceed_capacity_or_displace_each_other(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=6)
+    cap = 2 * specs[0].out_nbytes
+    cache = caches(cap, device="cpu")
+    start = Starter()
+    assert cache.prefetch(specs, Loader(), start=start) == 2
+    st = cache.stats()
+    assert st["prefetch_skipped"] == 4 and st["bytes_reserved"] == cap
+    start.gate.set()
+    cache.poll()
+    assert cache.prefetch(specs[2:], Loader(), start=start) == 0    # would evict unused prefetches
+    st = cache.stats()
+    assert st["bytes_held"] + st["bytes_reserved"] <= cap and specs[0] in cache and specs[1] in cache
+
+
+def test_cancel_keeps_started_reads_and_clear_waits_for_them(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=4)
+    cache = caches("1 MiB", device="cpu")
+    start = Starter()
+    cache.prefetch(specs, Loader(), start=start)
+    threading.Timer(0.05, start.gate.set).start()
+    cache.cancel(specs[:2])                              # in flight: finished and kept, not dropped
+    assert specs[0] in cache and specs[1] in cache
+    cache.clear()                                        # the other two: waited for, then dropped
+    st = cache.stats()
+    assert (st["in_flight"], st["bytes_reserved"], st["bytes_held"]) == (0, 0, 0)
+    assert all(p.results == 1 for p in start.started)
+    load = Loader()
+    np.testing.assert_array_equal(cache.get(specs[3], load), np_read(specs[3]))
+    assert load.count == 1
+
+
+def test_close_waits_for_started_reads(tmp_path):
+    _, specs = make_file(tmp_path, nchunks=2)
+    cache = DeviceCache("1 MiB", device="cpu")
+    start = Starter()
+    cache.prefetch(specs, Loader(), start=start)
+    threading.Timer(0.05, start.gate.set).start()
+    cache.close()
+    assert all(p.results == 1 for p in start.started) and cache.stats()["in_flight"] == 0
+
+
+def test_get_cached_copies_what_is_cached(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=3)
+    cache = caches("1 MiB", device="cpu")
+    load = Loader()
+    cache.get(specs[0], load)
+    cache.get(specs[2], load)
+    got = cache.get_cached(specs)
+    assert got[1] is None
+    for i in (0, 2):
+        np.testing.assert_array_equal(got[i], np_read(specs[i]))
+        got[i][...] = -1                                 # the caller's own copy
+    np.testing.assert_array_equal(cache.get(specs[0], load), np_read(specs[0]))
+    assert cache.stats()["hits"] == 3 and load.count == 2
+
+
+def test_chunk_source_start_reads_real_bytes_and_checks_the_file(tmp_path, caches):
+    path, specs = make_file(tmp_path, nchunks=3)
+    source = ChunkSource("cpu", cache=False)
+    pending = source.start(specs)
+    for p, s in zip(pending, specs):
+        np.testing.assert_array_equal(p.result(), np_read(s))
+    pending = source.start(specs[:1])
+    pending[0].result()
+    with open(path, "ab") as f:                          # the file changes after indexing
+        f.write(b"x")
+    with pytest.raises(gpulazy.errors.ChunkReadError, match="changed since"):
+        source.start(specs[:1])

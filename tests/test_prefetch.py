@@ -265,6 +265,7 @@ def test_hit_rate_on_a_reduction(tmp_path, cache, scheduler):
     assert summary["reads"] == 64 and summary["errored"] is False
     assert 0 < summary["peak_outstanding_bytes"] <= summary["budget"] <= cache.capacity * CACHE_FRACTION
     assert not Callback.active
+    assert cache._threads == []  # reads started by the scheduler's thread, finished by tasks: no worker threads
 
 
 def test_depth_and_capacity_bound_the_look_ahead(tmp_path, cache):

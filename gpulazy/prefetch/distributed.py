@@ -62,7 +62,8 @@ class PrefetchPlugin(WorkerPlugin):
         self._reset()
 
     def _reset(self) -> None:
-        self._run = ReadAhead(depth=self.depth, capacity=self.capacity)
+        # Its hooks run on the worker's event loop: reads go to the caches' threads (inline=False).
+        self._run = ReadAhead(depth=self.depth, capacity=self.capacity, inline=False)
         self._pending: list[tuple[Any, int, Hashable]] = []            # (priority, seq, key), sorted
         self._tracked: dict[Hashable, tuple[tuple, list]] = {}        # key -> (pending item, reads)
         self._seq = itertools.count()

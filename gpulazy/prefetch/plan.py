@@ -287,10 +287,13 @@ class ReadAhead:
     are left to their tasks.
     """
 
-    def __init__(self, *, depth: int, capacity: int | None = None, only: Any = None):
+    def __init__(self, *, depth: int, capacity: int | None = None, only: Any = None, inline: bool = True):
         self.depth = depth
         self.capacity = capacity
         self.only = only
+        #: Start reads in the calling thread (the local scheduler's); ``False`` hands them to
+        #: the caches' worker threads (a dask.distributed worker's event loop must not block).
+        self.inline = inline
         self.plan: ReadAheadPlan | None = None
         self._where: dict[Hashable, tuple[Any, Any]] = {}   # read id -> (source, cache)
         self._caches: dict[Any, Any] = {}                    # source -> its cache (or None)
@@ -385,11 +388,13 @@ class ReadAhead:
             # Reads are started here, in the scheduler's thread (``start``), and finished by
             # the task that asks for the chunk, or by ``poll`` on a later event: no thread
             # of ours needs the GIL while a compute holds it.
-            for cache in {id(c): c for c in self._caches.values() if c is not None}.values():
-                cache.poll()
+            if self.inline:
+                for cache in {id(c): c for c in self._caches.values() if c is not None}.values():
+                    cache.poll()
             reads = self.plan.next_reads()
             for (source, cache), specs in self._group(reads).items():
-                cache.prefetch(specs, source.read, start=getattr(source, "start", None))
+                start = getattr(source, "start", None) if self.inline else None
+                cache.prefetch(specs, source.read, start=start)
         except Exception as e:  # read-ahead must never break the computation it serves
             self.failed = e
             warnings.warn(f"gpulazy.prefetch: read-ahead stopped for this computation: {e!r}",

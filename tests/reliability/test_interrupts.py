@@ -78,8 +78,8 @@ def test_keyboard_interrupt_in_a_task_stops_read_ahead(volume, cache, scheduler)
 def test_keyboard_interrupt_in_a_read(volume, cache):
     """The sync scheduler reads in the main thread, where Ctrl-C lands: raised from inside a read.
 
-    (With read-ahead on, reads run on the cache's threads, where no signal arrives: the
-    other tests here cover interrupts with read-ahead.)"""
+    (The other tests here cover interrupts with read-ahead, whose reads are started by the
+    scheduler's thread and finished by the tasks.)"""
     path, data = volume
     fault_backend.install({"fault": "interrupt", "after": 2, "times": 1})
     try:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from gpulazy.device import Device, gpu_count
-from gpulazy.errors import BackendUnavailableError
+from gpulazy.errors import BackendUnavailableError, ChunkReadError
 from gpulazy.io import _kvikio, get_backend, select_backend
 from gpulazy.spec import ByteRange
 from gpulazy.testing import BackendConformance, write_file
@@ -41,6 +43,42 @@ class TestKvikioCUDA(BackendConformance):
     def test_auto_picks_kvikio_on_a_gpu(self):
         name, because = select_backend(Device("cuda", 0))
         assert name == "kvikio" and "KvikIO" in because
+
+    @pytest.mark.parametrize("staged", [True, False])
+    def test_batch_is_finished_by_polling_or_by_another_thread(self, backend, tmp_path, staged):
+        """Submitted by this thread, no waiting thread of the backend's: done() alone
+        completes a job (staged: issues its copy), result() from another thread the rest."""
+        import cupy as cp
+
+        data = np.random.default_rng(1).integers(0, 256, 6 << 20, dtype=np.uint8)
+        path = write_file(tmp_path / "b.bin", data)
+        outs = [cp.zeros(2 << 20, np.uint8) for _ in range(3)]
+        futs = backend.submit_many([([ByteRange(path, i << 21, 2 << 20)], o) for i, o in enumerate(outs)],
+                                   staged=staged)
+        deadline = time.monotonic() + 30
+        while not futs[0].done():
+            assert time.monotonic() < deadline, "job 0 never completed by polling"
+        got: list = []
+        t = threading.Thread(target=lambda: got.extend(f.result() for f in futs[1:]))
+        t.start()
+        t.join(30)
+        assert futs[0].result() == 2 << 20 and got == [2 << 20, 2 << 20]
+        for i, o in enumerate(outs):
+            np.testing.assert_array_equal(cp.asnumpy(o), data[i << 21:(i + 1) << 21])
+        assert not backend._batches                      # every batch closed: handles given back
+
+    def test_one_failing_job_leaves_the_others(self, backend, tmp_path):
+        import cupy as cp
+
+        data = np.arange(1 << 20, dtype=np.uint8)
+        path = write_file(tmp_path / "short.bin", data)
+        outs = [cp.zeros(1 << 19, np.uint8), cp.zeros(1 << 20, np.uint8)]
+        futs = backend.submit_many([([ByteRange(path, 0, 1 << 19)], outs[0]),
+                                    ([ByteRange(path, 1 << 19, 1 << 20)], outs[1])], staged=True)
+        with pytest.raises(ChunkReadError, match="short.bin"):
+            futs[1].result()
+        assert futs[0].result() == 1 << 19
+        np.testing.assert_array_equal(cp.asnumpy(outs[0]), data[: 1 << 19])
 
     def test_thread_count_reaches_kvikio(self):
         import kvikio.defaults

@@ -94,27 +94,21 @@ def checked_read(spec: ChunkSpec, backend: Any, *, verify: bool = False, check_b
     """Read and decode ``spec`` through ``backend``: identity checked around the read,
     stored bytes verified before decoding when ``verify``; raises ``ChunkReadError``.
 
-    ``staged``: as in ``gpulazy.io.read_chunk`` (unverified reads only)."""
-    from gpulazy.io import decode, read_chunk, submit_chunk
+    ``staged``: as in ``gpulazy.io.start_chunks`` (unverified reads only)."""
+    from gpulazy.io import decode, start_chunks, submit_chunk
 
     if check_before:
         check_unchanged(spec)
-    if not verify:
-        try:
-            arr = read_chunk(spec, backend, staged=staged)
-        except OSError as e:
-            raise as_read_error(e, spec) from e
-        check_unchanged(spec)  # written to during the read: the bytes may be half old, half new
-        return arr
+    if not verify:  # the checks after the read are ``CheckedPending``'s, shared with read-ahead
+        return CheckedPending(start_chunks([spec], backend, staged=staged)[0]).result()
     try:
         future, buf = submit_chunk(spec, backend)
         future.result()
     except OSError as e:
         raise as_read_error(e, spec) from e
-    if verify:
-        from gpulazy.checksums import verify_chunk
+    from gpulazy.checksums import verify_chunk
 
-        verify_chunk(buf, spec)
+    verify_chunk(buf, spec)
     check_unchanged(spec)  # written to during the read: the bytes may be half old, half new
     return decode(buf, spec, backend.device)
 

@@ -13,6 +13,7 @@ from dask._task_spec import DataNode, Task, TaskRef
 from dask.highlevelgraph import MaterializedLayer
 
 from gpulazy import config
+from gpulazy._batchread import ReadWindow
 from gpulazy.array import pick, read_batch
 
 __all__ = ["ReadLayer"]
@@ -37,6 +38,14 @@ _MIN_BATCHES = 8
 _next_id = itertools.count().__next__
 
 
+def _window(batches: list, sources: list) -> ReadWindow | None:
+    """One ``ReadWindow`` over the batches (``None`` when read-ahead is off or sources differ)."""
+    ahead = int(config.get("read_ahead"))
+    if ahead <= 0 or any(s != sources[0] for s in sources):
+        return None
+    return ReadWindow(batches, sources[0], ahead)
+
+
 class ReadLayer(MaterializedLayer):
     """The read tasks of one array; culling groups the reads a compute needs into batches.
 
@@ -47,6 +56,8 @@ class ReadLayer(MaterializedLayer):
     ``batch_size`` bytes of chunks (neighbours in block order, and at most 1/8 of the
     chunks needed) in one submission, and
     one ``pick`` task per chunk under the old key, so downstream tasks are unchanged.
+    The batch tasks of one compute share a ``ReadWindow``: the first to run starts the
+    following batches in order, config ``read_ahead`` bytes ahead (``gpulazy._batchread``).
     ``batch_size=0`` keeps a read task per chunk, as does an active ``gpulazy.prefetch``
     (it overlaps reads with compute chunk by chunk). (A layer dask merges into another,
     as ``fuse_roots`` does for blockwise operations over several inputs, is culled
@@ -79,12 +90,14 @@ class ReadLayer(MaterializedLayer):
         # Cheap for 100k keys; culling runs where the graph is submitted, so only that process names it.
         tag = hashlib.blake2b(repr((len(mine), mine[0], mine[-1], limit, _next_id())).encode(), digest_size=8).hexdigest()
         bname = f"read-batch-{mine[0][0]}-{tag}"
+        batches = [tuple(self.mapping[k].args[0] for k in group) for group in groups]
+        sources = [self.mapping[group[0]].args[1] for group in groups]
+        window = _window(batches, sources)
         out: dict = {}
         for j, group in enumerate(groups):
             bkey = (bname, j)
-            specs = tuple(self.mapping[k].args[0] for k in group)
-            source = self.mapping[group[0]].args[1]
-            out[bkey] = Task(bkey, read_batch, DataNode(None, specs), source, _data_producer=True)
+            out[bkey] = Task(bkey, read_batch, DataNode(None, batches[j]), sources[j], DataNode(None, window),
+                             j, _data_producer=True)
             for i, k in enumerate(group):
                 out[k] = Task(k, pick, TaskRef(bkey), i)
         return MaterializedLayer(out, annotations=self.annotations), {k: set() for k in out}

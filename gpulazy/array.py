@@ -103,39 +103,16 @@ class ChunkSource:
         >>> [a.tolist() for a in vol.chunk_source.load_many(tuple(vol.chunk_index.specs.values()))]
         [[0, 1, 2, 3], [4, 5, 6, 7]]
         """
-        if self.verify:  # verified reads go one by one, past the cache (see ``read``)
-            return [self.load(spec) for spec in specs]
-        from gpulazy.integrity import as_read_error, check_all_unchanged
+        return self.start_many(specs).result()
 
-        check_all_unchanged(specs)  # a cached chunk of a file changed since indexing is never served
-        cache = self.cache_instance()
-        arrays: list[Any] = cache.get_cached(specs) if cache is not None else [None] * len(specs)
-        todo = []
-        for i, spec in enumerate(specs):
-            if arrays[i] is not None:
-                continue
-            if cache is not None and cache.holds(spec):  # a prefetch of it is under way
-                arrays[i] = cache.get(spec, self.read)  # a hit (or, if evicted meanwhile, a read)
-            else:
-                todo.append(i)
-        if todo:
-            from gpulazy.io import read_chunks
-            from gpulazy.memory import retry_on_oom
+    def start_many(self, specs: tuple[ChunkSpec, ...]) -> Any:
+        """``load_many`` in two halves: the reads start now, ``.result()`` waits for them.
 
-            batch = [specs[i] for i in todo]
-            first = batch[0]
-            try:
-                read = retry_on_oom(
-                    lambda: read_chunks(batch, self.backend_instance(), staged=config.get("staging") != "never"),
-                    device=get_device(self.device), nbytes=sum(s.out_nbytes for s in batch),
-                    what=f"reading {len(batch)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
-                    else "reading chunks")
-            except OSError as e:
-                raise as_read_error(e, first) from e
-            check_all_unchanged(batch)  # written to during the read: the bytes may be mixed
-            for i, arr in zip(todo, read):
-                arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
-        return arrays
+        Returns a ``gpulazy._batchread.PendingBatch``; see there.
+        """
+        from gpulazy._batchread import PendingBatch
+
+        return PendingBatch.start(self, specs)
 
     def load(self, spec: ChunkSpec) -> Any:
         """The chunk's array, through the cache when there is one."""
@@ -164,12 +141,16 @@ def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
     return source.load(spec)
 
 
-def read_batch(specs: tuple[ChunkSpec, ...], source: ChunkSource) -> list[Any]:
+def read_batch(specs: tuple[ChunkSpec, ...], source: ChunkSource, window: Any = None, j: int = 0) -> list[Any]:
     """The dask task that reads several chunks in one submission (see ``gpulazy._readlayer``).
 
     Returns their arrays in order, each complete on every stream (``ChunkSource.load_many``).
+    ``window``: the compute's ``gpulazy._batchread.ReadWindow``, which may have started
+    this batch (``j``) already and starts the next ones; ``None`` reads this batch alone.
     """
-    return source.load_many(specs)
+    if window is None:
+        return source.load_many(specs)
+    return window.load(j)
 
 
 def pick(batch: list[Any], i: int) -> Any:

@@ -188,3 +188,121 @@ def test_registered_prefetch_keeps_a_read_task_per_chunk(tmp_path):
         assert _batch_sizes(vol.max(axis=0)) == [1] * 16
     with Callback():  # any other callback: still batched
         assert _batch_sizes(vol.max(axis=0)) == [2] * 8
+
+
+# -- the read window: batches started in order, ahead of their tasks ---------------------------
+
+def _spy_starts(monkeypatch):
+    """Record the first chunk index of every batch ``PendingBatch.start`` submits, and the window's bytes."""
+    from gpulazy import _batchread
+
+    started, inflight = [], []
+    real = _batchread.PendingBatch.start.__func__
+
+    def start(cls, source, specs):
+        started.append(specs[0].index[0])
+        return real(cls, source, specs)
+
+    monkeypatch.setattr(_batchread.PendingBatch, "start", classmethod(start))
+    top_up = _batchread.ReadWindow._top_up
+
+    def spy_top_up(self, j, step):
+        top_up(self, j, step)
+        inflight.append((self._inflight, self.ahead))
+
+    monkeypatch.setattr(_batchread.ReadWindow, "_top_up", spy_top_up)
+    return started, inflight
+
+
+@pytest.mark.parametrize("ahead_batches", [0.5, 1, 3, 100])
+def test_every_batch_is_started_once_within_read_ahead(tmp_path, monkeypatch, ahead_batches):
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    started, inflight = _spy_starts(monkeypatch)
+    batch_bytes = 2 * 4 * 6 * 2  # 8 batches of 2 planes
+    with gpulazy.config.set(read_ahead=int(ahead_batches * batch_bytes)):
+        assert np.array_equal(vol.max(axis=0).compute(scheduler="sync"), data.max(axis=0))
+        assert vol.astype("f8").sum().compute(scheduler="sync") == data.astype("f8").sum()
+    assert sorted(started) == sorted(2 * list(range(0, 16, 2)))  # every batch once per compute
+    assert inflight and all(n <= ahead for n, ahead in inflight)
+
+
+def _window_over(tmp_path, n, per_batch, ahead_batches):
+    from gpulazy._batchread import ReadWindow
+
+    paths, data = _planes(tmp_path, n=n)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    specs = tuple(vol.chunk_index.specs.values())
+    batches = [specs[i:i + per_batch] for i in range(0, n, per_batch)]
+    nbytes = per_batch * 4 * 6 * 2
+    return ReadWindow(batches, vol.chunk_source, ahead_batches * nbytes), data, nbytes
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [5, 2, 3, 4, 1, 0], [3, 0, 5, 1, 4, 2]])
+def test_the_window_reads_ahead_in_the_direction_tasks_claim(tmp_path, monkeypatch, order):
+    window, data, nbytes = _window_over(tmp_path, 12, 2, 2)
+    started, inflight = _spy_starts(monkeypatch)
+    for j in order:
+        got = window.load(j)
+        assert np.array_equal(np.concatenate(got), data[2 * j: 2 * j + 2])  # its own batch, whatever was started
+    assert sorted(started) == list(range(0, 12, 2)) and all(n <= 2 * nbytes for n, _ in inflight)
+    if order == [0, 1, 2, 3, 4, 5]:
+        assert started == [0, 2, 4, 6, 8, 10] and inflight[0][0] == 2 * nbytes
+    if order == [5, 4, 3, 2, 1, 0]:  # the first claim guesses upwards (nothing there), the second learns
+        assert started == [10, 8, 6, 4, 2, 0] and inflight[1][0] == 2 * nbytes
+
+
+def test_the_window_under_threads_reads_each_batch_once(tmp_path, monkeypatch):
+    paths, data = _planes(tmp_path, n=32)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    started, inflight = _spy_starts(monkeypatch)
+    for _ in range(3):
+        started.clear()
+        assert np.array_equal(vol[5:].max(axis=0).compute(scheduler="threads"), data[5:].max(axis=0))
+        assert len(started) == len(set(started)) == 7  # 27 chunks in batches of 4, each started once
+    assert all(n <= ahead for n, ahead in inflight)
+
+
+def test_read_ahead_zero_reads_each_batch_in_its_task(tmp_path, monkeypatch):
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    started, inflight = _spy_starts(monkeypatch)
+    with gpulazy.config.set(read_ahead=0):
+        assert np.array_equal(vol.max(axis=0).compute(scheduler="sync"), data.max(axis=0))
+    assert sorted(started) == list(range(0, 16, 2)) and not inflight  # no window: nothing topped up
+
+
+def test_a_pickled_window_reads_its_own_batch(tmp_path):
+    import pickle
+
+    from gpulazy._batchread import ReadWindow
+
+    paths, data = _planes(tmp_path, n=4)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    specs = tuple(vol.chunk_index.specs.values())
+    window = ReadWindow([specs[:2], specs[2:]], vol.chunk_source, 1 << 20)
+    assert pickle.loads(pickle.dumps(window)) is None  # another process: no shared window
+    assert np.array_equal(np.concatenate(read_batch(specs[2:], vol.chunk_source, None, 1)), data[2:])
+    assert np.array_equal(np.concatenate(read_batch(specs[2:], vol.chunk_source, window, 1)), data[2:])
+    assert np.array_equal(np.concatenate(read_batch(specs[:2], vol.chunk_source, window, 0)), data[:2])
+
+
+def test_a_read_ahead_batch_that_fails_raises_in_its_own_task(tmp_path, monkeypatch):
+    window, data, _ = _window_over(tmp_path, 12, 2, 100)
+    os.unlink(window.batches[2][1].paths[0])  # z005.raw, in batch 2
+    started, _ = _spy_starts(monkeypatch)
+    assert np.array_equal(np.concatenate(window.load(0)), data[:2])  # starts 1 and tries 2: dropped
+    assert started == [0, 2, 4] and window._state[2] is None
+    assert np.array_equal(np.concatenate(window.load(1)), data[2:4])
+    with pytest.raises(gpulazy.errors.GpulazyError, match="z005.raw"):
+        window.load(2)
+    assert np.array_equal(np.concatenate(window.load(3)), data[6:8])
+
+
+def test_a_missing_file_fails_the_compute_naming_it_under_both_schedulers(tmp_path):
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
+    os.unlink(paths[13])
+    for scheduler in ("sync", "threads"):
+        with pytest.raises(gpulazy.errors.GpulazyError, match="z013.raw"):
+            vol.max(axis=0).compute(scheduler=scheduler)

@@ -1,0 +1,199 @@
+"""Batched reads of a compute: a batch started now and finished later, and a window of them.
+
+``PendingBatch`` is ``ChunkSource.load_many`` split in two: ``start`` serves what the
+cache holds and submits the other chunks' reads from the calling thread; ``result()``
+waits for them, checks them and offers them to the cache.
+
+``ReadWindow`` holds the batches of one compute's ``read_batch`` tasks (made when the
+graph is culled, ``gpulazy._readlayer``). Its batches are submitted one whole batch at a
+time, and each task starts the batches likely to run next, up to config ``read_ahead``
+bytes. Measured on an H100 (``benchmarks/overlap_timeline.py``): batch tasks that each
+submitted their own batch, eight at once from eight scheduler threads, took 1 to 45 ms
+to submit and their reads landed interleaved, the last batch 130 ms in, where the
+whole-array read, which submits everything in order from one thread, lands chunk
+after chunk and ends at 96 ms. Under the sync scheduler the read-ahead is also what
+overlaps reading the next batches with computing on this one.
+
+A window exists only in the process that culled the graph: pickled (to
+``dask.distributed`` workers) it becomes ``None`` and every batch task reads its own
+batch, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from gpulazy import config
+from gpulazy.spec import ChunkSpec
+
+__all__ = ["PendingBatch", "ReadWindow"]
+
+
+class PendingBatch:
+    """Chunks of one batch: served from the cache or in flight; ``result()`` gives their arrays."""
+
+    __slots__ = ("source", "specs", "arrays", "held", "todo", "pending")
+
+    def __init__(self, source: Any, specs: tuple[ChunkSpec, ...]):
+        self.source, self.specs = source, specs
+        self.arrays: list[Any] = [None] * len(specs)
+        self.held: list[int] = []      # chunks a prefetch of the cache is reading
+        self.todo: list[int] = []      # chunks read here
+        self.pending: list[Any] = []   # their ``PendingChunk``s
+
+    @classmethod
+    def start(cls, source: Any, specs: tuple[ChunkSpec, ...]) -> PendingBatch:
+        """Serve the cached chunks of ``specs`` and submit reads for the rest, from this thread."""
+        self = cls(source, specs)
+        if source.verify:  # verified reads go one by one, past the cache (``ChunkSource.read``)
+            self.todo = list(range(len(specs)))
+            return self
+        from gpulazy.integrity import check_all_unchanged
+
+        check_all_unchanged(specs)  # a cached chunk of a file changed since indexing is never served
+        cache = source.cache_instance()
+        if cache is not None:
+            self.arrays = cache.get_cached(specs)
+        for i, spec in enumerate(specs):
+            if self.arrays[i] is None:
+                (self.held if cache is not None and cache.holds(spec) else self.todo).append(i)
+        if self.todo:
+            self.pending = self._submit([specs[i] for i in self.todo])
+        return self
+
+    def _submit(self, batch: list[ChunkSpec]) -> list[Any]:
+        # Straight into device memory unless staging="always": measured on an H100, the MIP,
+        # astype().sum() and sync-scheduler MIP ran 4-35 % faster unstaged (a whole batch
+        # lands before any kernel of the compute touches it; staged copies wait for a thread
+        # to finish them). Per-chunk tasks and read-ahead stay staged (README, "Streams").
+        from gpulazy.device import get_device
+        from gpulazy.integrity import as_read_error
+        from gpulazy.io import start_chunks
+        from gpulazy.memory import retry_on_oom
+
+        source, first = self.source, batch[0]
+        try:
+            return retry_on_oom(
+                lambda: start_chunks(batch, source.backend_instance(), staged=config.get("staging") == "always"),
+                device=get_device(source.device), nbytes=sum(s.out_nbytes for s in batch),
+                what=f"reading {len(batch)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
+                else "reading chunks")
+        except OSError as e:
+            raise as_read_error(e, first) from e
+
+    def result(self) -> list[Any]:
+        """The arrays, in order, each complete on every stream; raises the first read's error."""
+        source, specs, arrays = self.source, self.specs, self.arrays
+        if source.verify:
+            return [source.load(s) for s in specs]
+        cache = source.cache_instance()
+        for i in self.held:
+            arrays[i] = cache.get(specs[i], source.read)  # a hit (or, if evicted meanwhile, a read)
+        if self.todo:
+            read = self._finish()
+            from gpulazy.integrity import check_all_unchanged
+
+            check_all_unchanged([specs[i] for i in self.todo])  # written to during the read: mixed bytes
+            for i, arr in zip(self.todo, read):
+                arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
+        return arrays
+
+    def settle(self) -> None:
+        """Wait for the reads in flight and drop them (a batch nobody will claim)."""
+        for p in self.pending:
+            try:
+                p.future.result()
+            except BaseException:
+                pass
+        self.pending = []
+
+    def _finish(self) -> list[Any]:
+        from gpulazy.integrity import as_read_error
+
+        # Every read settles before an error is raised, so nothing writes into a dropped buffer.
+        errors: list[BaseException] = []
+        for p in self.pending:
+            try:
+                p.future.result()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            if isinstance(errors[0], (KeyboardInterrupt, SystemExit)):
+                raise errors[0]
+            raise as_read_error(errors[0], self.specs[self.todo[0]]) from errors[0]
+        try:
+            return [p.result() for p in self.pending]
+        except OSError as e:
+            raise as_read_error(e, self.specs[self.todo[0]]) from e
+
+
+class ReadWindow:
+    """The read batches of one compute, each submitted whole, with ``read_ahead`` bytes started early.
+
+    ``load(j)`` is batch ``j``'s task: it claims the batch (starting it if nobody had),
+    starts the batches after it, in the direction the tasks have been claiming them
+    (dask orders independent roots as the rest of the graph suits it: for a sum
+    7, 6, ..., 0, for a MIP 7, 4, 5, 6, 3, ...), while the started and unclaimed ones
+    stay within ``ahead`` bytes, and waits for its own batch. Every submission happens
+    under one lock, so the reads of concurrent batch tasks never interleave in the I/O
+    queue: each batch lands as a whole, in the order the tasks asked for them. A
+    read-ahead that fails to start (no memory, a file gone) is dropped: that batch's
+    task reads it and raises then.
+    """
+
+    def __init__(self, batches: list[tuple[ChunkSpec, ...]], source: Any, ahead: int):
+        self.batches, self.source, self.ahead = batches, source, ahead
+        self._lock = threading.Lock()
+        self._state: list[Any] = [None] * len(batches)  # None: not started; PendingBatch; True: claimed
+        self._inflight = 0                               # bytes started and not yet claimed
+        self._last: int | None = None                    # the batch claimed last
+
+    def __reduce__(self) -> tuple:
+        return _no_window, ()  # another process: each batch task reads its own batch
+
+    def load(self, j: int) -> list[Any]:
+        with self._lock:
+            mine = self._state[j]
+            if isinstance(mine, PendingBatch):
+                self._inflight -= _nbytes(mine.specs)
+            self._state[j] = True
+            if not isinstance(mine, PendingBatch):  # not started yet (or a task run again)
+                mine = PendingBatch.start(self.source, self.batches[j])
+            step = -1 if self._last is not None and self._last > j else 1
+            self._last = j
+            self._top_up(j, step)
+        return mine.result()
+
+    def _top_up(self, j: int, step: int) -> None:
+        # Lock held. Start the unstarted batches after ``j`` (by ``step``) while they fit.
+        state = self._state
+        i = j + step
+        while 0 <= i < len(state):
+            if state[i] is None:
+                nbytes = _nbytes(self.batches[i])
+                if self._inflight + nbytes > self.ahead:
+                    return
+                try:
+                    state[i] = PendingBatch.start(self.source, self.batches[i])
+                except Exception:
+                    return  # its own task reads it, and raises there
+                self._inflight += nbytes
+            i += step
+
+    def settle(self) -> None:
+        """Wait for every batch started and not claimed (nothing is left writing into memory)."""
+        with self._lock:
+            for j, b in enumerate(self._state):
+                if isinstance(b, PendingBatch):
+                    b.settle()
+                    self._state[j] = None
+            self._inflight = 0
+
+
+def _nbytes(specs: tuple[ChunkSpec, ...]) -> int:
+    return sum(s.out_nbytes for s in specs)
+
+
+def _no_window() -> None:
+    return None

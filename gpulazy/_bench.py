@@ -189,6 +189,7 @@ class Method:
     modes: tuple[str, ...] = ("warm", "cold")
     kind: str = "naive"  # "ceiling" | "naive" | "gpulazy"
     needs: Callable[[Device], str] | None = None  # why it cannot run here ("" if it can)
+    derived: str = ""  # a derived compute over "many files" (its rows get their own scenario)
 
     def label_for(self, device: Device) -> str:
         return self.label if device.is_gpu else (self.cpu_label or self.label)
@@ -295,11 +296,16 @@ def _torch(ds: Dataset, device: Device) -> Any:
 
 def _kvikio(ds: Dataset, device: Device) -> Any:
     import cupy as cp
+
+    return _kvikio_into(ds, [cp.empty(ds.file_nbytes, dtype=np.uint8) for _ in ds.paths])
+
+
+def _kvikio_into(ds: Dataset, bufs: list[Any]) -> list[Any]:
+    """Every file of ``ds`` into its buffer with KvikIO, all in flight before any is awaited."""
     import kvikio
     import kvikio.defaults
 
     with kvikio.defaults.set({"num_threads": THREADS, "task_size": TASK}):
-        bufs = [cp.empty(ds.file_nbytes, dtype=np.uint8) for _ in ds.paths]
         files = [kvikio.CuFile(p, "r") for p in ds.paths]
         try:
             futures = [f.pread(b, task_size=TASK) for f, b in zip(files, bufs)]
@@ -327,6 +333,48 @@ def _gpulazy(ds: Dataset, device: Device) -> Any:
     return out
 
 
+MIP = "max(axis=0)"
+
+
+def _mip_kvikio(ds: Dataset, device: Device) -> Any:
+    import cupy as cp
+
+    buf = cp.empty(ds.nbytes, dtype=np.uint8)
+    n = ds.file_nbytes
+    _kvikio_into(ds, [buf[i * n:(i + 1) * n] for i in range(len(ds.paths))])
+    out = buf.view(ds.dtype).reshape(len(ds.paths), *ds.file_shape).max(axis=0)
+    device.wait_all()
+    return out
+
+
+def _mip_dask(ds: Dataset, device: Device) -> Any:
+    import dask.array as da
+
+    arr = da.stack([da.from_array(np.memmap(p, dtype=ds.dtype, mode="r", shape=ds.file_shape)) for p in ds.paths])
+    if device.is_gpu:
+        import cupy as cp
+
+        arr = arr.map_blocks(cp.asarray)
+    out = arr.max(axis=0).compute()
+    device.wait_all()
+    return out
+
+
+def _mip_gpulazy(ds: Dataset, device: Device) -> Any:
+    out = gpulazy_array(ds, device, cache=False).max(axis=0).compute()
+    device.wait_all()
+    return out
+
+
+def check_mip(result: Any, ds: Dataset, nbytes: int = MiB) -> None:
+    """Raise if the first ``nbytes`` of a MIP over the files differ from the files' maximum."""
+    n = min(nbytes, ds.file_nbytes) // np.dtype(ds.dtype).itemsize
+    want = np.max([np.fromfile(p, dtype=ds.dtype, count=n) for p in ds.paths], axis=0)
+    got = _host_bytes(result.reshape(-1)[:n]).view(ds.dtype)
+    if not np.array_equal(got, want):
+        raise AssertionError(f"the MIP differs from the maximum over {ds.paths[0]!r} ... {ds.paths[-1]!r}")
+
+
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("pinned_h2d", "pinned host→device copy (ceiling)", None, _pinned_copy, modes=("warm",),
            kind="ceiling"),
@@ -339,6 +387,12 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("kvikio_pread", "KvikIO CuFile.pread, 16 threads, 4 MiB tasks", None, _kvikio),
     Method("gpulazy", "gpulazy.from_files(...).compute()", "gpulazy.from_files(..., device='cpu').compute()",
            _gpulazy, kind="gpulazy"),
+    Method("kvikio_mip", "KvikIO CuFile.pread, then .max(axis=0)", None, _mip_kvikio, modes=("warm",), derived=MIP),
+    Method("dask_mip", "da.stack(memmaps).map_blocks(cp.asarray).max(axis=0)", "da.stack(memmaps).max(axis=0)",
+           _mip_dask, modes=("warm",), derived=MIP),
+    Method("gpulazy_mip", "gpulazy.from_files(...).max(axis=0).compute()",
+           "gpulazy.from_files(..., device='cpu').max(axis=0)", _mip_gpulazy, modes=("warm",), kind="gpulazy",
+           derived=MIP),
 ]}
 
 
@@ -424,10 +478,12 @@ def _release(device: Device) -> None:
 def measure(method: Method, ds: Dataset, device: Device, mode: str, repeat: int = 3,
             track_memory: bool = False) -> dict[str, Any]:
     """Time ``method`` ``repeat`` times on ``ds`` in ``mode`` ("warm" or "cold"); a JSON-ready dict."""
-    row: dict[str, Any] = {"scenario": ds.scenario, "mode": mode, "method": method.name,
+    scenario = f"{ds.scenario}, {method.derived}" if method.derived else ds.scenario
+    row: dict[str, Any] = {"scenario": scenario, "mode": mode, "method": method.name,
                            "label": method.label_for(device), "kind": method.kind, "nbytes": ds.nbytes,
                            "files": len(ds.paths), "device": device.name, "seconds": []}
-    why = method.skip_reason(device)
+    why = method.skip_reason(device) or (
+        "a derived compute over many files" if method.derived and ds.scenario != "many files" else "")
     if why or mode not in method.modes:
         row["skipped"] = why or f"not a {mode} measurement"
         return row
@@ -449,7 +505,9 @@ def measure(method: Method, ds: Dataset, device: Device, mode: str, repeat: int 
             if isinstance(result, _Timed):
                 result, seconds = result.value, result.seconds
             row["seconds"].append(seconds)
-            if i == 0 and method.kind != "ceiling":
+            if i == 0 and method.derived:
+                check_mip(result, ds)
+            elif i == 0 and method.kind != "ceiling":
                 check_result(result, ds)
             if tracker:
                 row["peak_device_bytes"] = tracker.peak - tracker.base
@@ -475,7 +533,8 @@ def run_suite(datasets: list[Dataset], device: Device, *, modes: Iterable[str] =
     """Measure every method in every mode on every data set; returns the rows."""
     chosen = [METHODS[m] for m in (methods or METHODS)]
     modes = list(modes)
-    plan = [(ds, mode, m) for ds in datasets for mode in modes for m in chosen]
+    plan = [(ds, mode, m) for ds in datasets for mode in modes for m in chosen
+            if not m.derived or ds.scenario == "many files"]
     rows = []
     primed: set[int] = set()
     with progress(plan, desc="benchmark", unit="run", enabled=show_progress) as bar:
@@ -491,22 +550,29 @@ def run_suite(datasets: list[Dataset], device: Device, *, modes: Iterable[str] =
     return rows
 
 
+_GPULAZY = ("gpulazy", "gpulazy_mip")
+
+
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """gpulazy's throughput over each other method's, per scenario and mode."""
     out = []
     by = {(r["scenario"], r["mode"], r["method"]): r for r in rows if r.get("gbps")}
     for (scenario, mode, name), g in by.items():
-        if name != "gpulazy":
+        if not _is_gpulazy(g):
             continue
         for (s2, m2, other), r in by.items():
-            if (s2, m2) == (scenario, mode) and other != "gpulazy":
+            if (s2, m2) == (scenario, mode) and not _is_gpulazy(r):
                 out.append({"scenario": scenario, "mode": mode, "versus": other,
                             "ratio": g["gbps"] / r["gbps"]})
     return out
 
 
+def _is_gpulazy(row: dict[str, Any]) -> bool:
+    return row.get("kind") == "gpulazy" or row["method"] in _GPULAZY
+
+
 def _not_for_device(row: dict[str, Any]) -> bool:
-    return row.get("skipped") in ("needs a CUDA device", "CPU only")
+    return row.get("skipped") in ("needs a CUDA device", "CPU only", "a derived compute over many files")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -537,7 +603,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                         notes.append(r["skipped"])
                 ratio = rats.get((scenario, mode, name))
                 ratio_cells.append(f"{ratio:.2f}×" if ratio else "—")
-            ratio_text = "" if name == "gpulazy" else ", ".join(ratio_cells)
+            ratio_text = "" if name in _GPULAZY else ", ".join(ratio_cells)
             lines.append(f"  {label:<52}" + "".join(f"{c:>11}" for c in cells) + f"   {ratio_text}")
             for note in dict.fromkeys(notes):
                 lines.append(f"      ({note})")

@@ -101,14 +101,18 @@ def test_bench_generate_cpu_json(capsys, tmp_path):
     doc = json.loads(out_json.read_text())
     rows = doc["results"]
     assert {r["method"] for r in rows} == set(_bench.METHODS)
-    assert {r["scenario"] for r in rows} == {"one file", "many files"}
+    assert {r["scenario"] for r in rows} == {"one file", "many files", "many files, max(axis=0)"}
+    for method in ("dask_mip", "gpulazy_mip"):  # the derived row: a MIP over the 8 files, warm
+        (r,) = [r for r in rows if r["method"] == method and r["mode"] == "warm"]
+        assert r["scenario"] == "many files, max(axis=0)" and r["mode"] == "warm" and r["gbps"] > 0, r
+    assert [r["versus"] for r in doc["ratios"] if r["scenario"] == "many files, max(axis=0)"] == ["dask_mip"]
     for scenario in ("one file", "many files"):
         for mode in ("warm", "cold"):
             for method in ("numpy_fromfile", "dask_memmap", "gpulazy"):
                 (r,) = [r for r in rows if (r["scenario"], r["mode"], r["method"]) == (scenario, mode, method)]
                 assert "error" not in r, r
                 assert r["gbps"] > 0 and r["nbytes"] == 32 << 20
-    gpu_only = [r for r in rows if r["method"] in ("pinned_h2d", "kvikio_pread", "torch_fromfile")]
+    gpu_only = [r for r in rows if r["method"] in ("pinned_h2d", "kvikio_pread", "torch_fromfile", "kvikio_mip")]
     assert all(r["skipped"] for r in gpu_only)
     assert {(r["versus"], r["mode"]) for r in doc["ratios"]} >= {("dask_memmap", "warm"), ("numpy_fromfile", "cold")}
     assert "gpulazy.from_files" in out and "da.from_array(np.memmap)" in out

@@ -93,9 +93,8 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
     "read_ahead": (lambda: 1 << 30, parse_bytes,
                    "bytes of batched reads a compute starts ahead of the batch task that runs (0: none)"),
     "staging": (lambda: "tasks", lambda v: _choice(v, ("tasks", "always", "never")),
-                "KvikIO reads through pinned host buffers and gpulazy's non-blocking streams: in per-chunk "
-                "tasks and read-ahead ('tasks'), always, or never (straight into device memory on KvikIO's "
-                "blocking streams, as the whole-array read and batched reads do under 'tasks')"),
+                "KvikIO reads through pinned host buffers and gpulazy's non-blocking streams: in chunk "
+                "tasks ('tasks'), always or never (straight into device memory on KvikIO's blocking streams)"),
 }
 
 

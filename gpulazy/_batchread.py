@@ -95,11 +95,6 @@ class PendingBatch:
                 arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
         return arrays
 
-    def poll(self) -> None:
-        """Move the reads along without blocking (staged: issue the copies of chunks whose bytes are in)."""
-        for p in self.pending:
-            p.done()
-
     def settle(self) -> None:
         """Wait for the reads in flight and drop them (a batch nobody will claim)."""
         for p in self.pending:
@@ -164,9 +159,6 @@ class ReadWindow:
             step = -1 if self._last is not None and self._last > j else 1
             self._last = j
             self._top_up(j, step)
-            ahead = [b for b in self._state if isinstance(b, PendingBatch)]
-        for b in ahead:  # staged reads ahead get their copies going now, not when claimed
-            b.poll()
         return mine.result()
 
     def _top_up(self, j: int, step: int) -> None:

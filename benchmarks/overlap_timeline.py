@@ -5,7 +5,8 @@ files of 16 MiB (threaded scheduler), prints the wall time, the time spent build
 optimising the graph, and per task kind the first start, last end and busy time (a dask
 ``Callback``), plus per KvikIO batch the time its submission took and when its last job
 landed (``_Batch`` wrapped here, nothing changed in the library). Run it once per
-``GPULAZY_THREADS`` value to see what the I/O thread count does.
+``GPULAZY_THREADS`` value to see what the I/O thread count does. ``--cached`` adds a MIP
+from a warm ``DeviceCache`` beside the same MIP over the same chunks held in a dask array.
 
     GPULAZY_THREADS=16 python benchmarks/overlap_timeline.py [--planes 256] [--json out.json]
 """
@@ -67,6 +68,8 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--dir", help="where the planes are written (kept, and reused by a later run)")
     ap.add_argument("--device", default="cuda:0", help="cpu: check this script without a GPU (no batch timings)")
+    ap.add_argument("--cached", action="store_true",
+                    help="also a MIP from a warm DeviceCache and one over the same chunks held by dask")
     ap.add_argument("--shape", default="8192,1024", help="one plane (uint16)")
     args = ap.parse_args()
     import dask
@@ -102,6 +105,18 @@ def main() -> int:
         "astype_sum": (lambda: vol.astype("f8").sum(), 1.0),
         "mip_sync": (lambda: vol.max(axis=0), 1.0),
     }
+    if args.cached:
+        import dask.array as da
+
+        cache = gpulazy.DeviceCache(int(total * 1.1), device=args.device, name="timeline")
+        held = gpulazy.from_files(paths, shape=shape, dtype="uint16", device=args.device, cache=cache)
+        held.max(axis=0).compute()  # warm: every chunk in the cache
+        in_memory = da.from_array(held.compute(), chunks=held.chunks, asarray=False)
+        cases.update({
+            # the floor dask itself sets: the same chunks already in device memory
+            "mip_dask_in_memory": (lambda: in_memory.max(axis=0), 1.0),
+            "mip_cached": (lambda: held.max(axis=0), 1.0),
+        })
     out = {"threads": gpulazy.config.get("threads"), "chunks": len(vol.chunks[0]), "cases": {}}
     print(f"threads={out['threads']} chunks={out['chunks']} batch_size={gpulazy.config.get('batch_size')}", flush=True)
     for name, (make, frac) in cases.items():

@@ -393,6 +393,14 @@ def _array_class() -> type:
             return (_rebuild, (self.dask, self.name, self.chunks, self._meta, self._gl_index, self._gl_source,
                                self._gl_order))
 
+        def __getitem__(self, index: Any) -> Any:
+            """A slice on chunk boundaries stays a gpulazy array (its ``compute()`` takes the
+            fast path); any other index is dask's."""
+            blocks = _aligned_blocks(self, index)
+            if blocks is None:
+                return super().__getitem__(index)
+            return _block_slice(self, blocks)
+
         def compute(self, **kwargs: Any) -> Any:
             """The whole array on its device; see the class docstring for the fast path."""
             if self._fast_path_ok(kwargs):
@@ -439,6 +447,62 @@ def _array_class() -> type:
     GpulazyArray.__module__ = __name__
     GpulazyArray.__qualname__ = "GpulazyArray"
     return GpulazyArray
+
+
+def _aligned_blocks(arr: Any, index: Any) -> tuple[range, ...] | None:
+    """The blocks a slice selects when every axis is a step-1 slice on chunk boundaries, else ``None``.
+
+    ``None`` too for the whole array (dask returns the array itself) and for an array
+    changed in place.
+    """
+    if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
+        return None
+    from dask.array.slicing import normalize_index
+
+    try:
+        index = normalize_index(index, arr.shape)
+    except Exception:
+        return None  # dask raises its own error for it
+    if len(index) != arr.ndim:
+        return None
+    blocks = []
+    for ix, chunks in zip(index, arr.chunks):
+        if not isinstance(ix, slice):
+            return None
+        start, stop, step = ix.indices(sum(chunks))
+        edges = list(itertools.accumulate(chunks, initial=0))
+        if step != 1 or start >= stop or start not in edges or stop not in edges:
+            return None
+        blocks.append(range(edges.index(start), edges.index(stop)))
+    if all(len(r) == len(c) for r, c in zip(blocks, arr.chunks)):
+        return None
+    return tuple(blocks)
+
+
+def _block_slice(arr: Any, blocks: tuple[range, ...]) -> Any:
+    """The blocks ``blocks`` of ``arr`` as an array of their own, over the same chunk specs."""
+    import dataclasses
+
+    from dask.base import tokenize
+
+    idx = arr._gl_index
+    specs = {}
+    for k, spec in arr._gl_specs.items():
+        if all(b in r for b, r in zip(k, blocks)):
+            new = tuple(b - r.start for b, r in zip(k, blocks))
+            specs[new] = dataclasses.replace(spec, index=new)  # same bytes, same key: the cache is shared
+    chunks = tuple(c[r.start:r.stop] for c, r in zip(arr.chunks, blocks))
+    starts = [sum(c[:r.start]) for c, r in zip(arr.chunks, blocks)]
+    attrs = dict(idx.attrs)
+    if "translation" in attrs and "scale" in attrs:  # where the slice's first element sits
+        attrs["translation"] = tuple(t + s0 * sc for t, s0, sc in zip(attrs["translation"], starts, attrs["scale"]))
+    sub = dataclasses.replace(idx, shape=tuple(sum(c) for c in chunks), chunks=chunks, specs=specs, attrs=attrs,
+                              paths=tuple(dict.fromkeys(p for spec in specs.values() for p in spec.paths)),
+                              _token=[])
+    name = "from_files-" + tokenize(arr.name, [(r.start, r.stop) for r in blocks])
+    out = _array_class()(_graph(name, specs, arr._gl_source), name, chunks, meta=arr._meta)
+    out._gl_attach(sub, arr._gl_source)
+    return out
 
 
 def __getattr__(name: str) -> Any:

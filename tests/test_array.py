@@ -195,6 +195,60 @@ def test_setitem_turns_the_fast_path_off(stack):
     assert np.array_equal(again.compute(), want)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_slices_on_chunk_boundaries_stay_gpulazy_arrays_with_the_fast_path(stack, data):
+    paths, want = stack
+    vol = gpulazy.from_files(paths, shape=(5, 7), dtype=">u2", offset=3, chunks=(2, (2, 3), (4, 3)), device="cpu",
+                             cache=False)
+    edges = [(0, 2, 4, 6), (0, 2, 5), (0, 4, 7)]
+    index = []
+    for n, e in zip(vol.shape, edges):
+        if data.draw(st.booleans(), label="on edges"):
+            lo, hi = sorted(data.draw(st.lists(st.sampled_from(e), min_size=2, max_size=2, unique=True)))
+        else:
+            lo = data.draw(st.integers(0, n - 1))
+            hi = data.draw(st.integers(lo + 1, n))
+        index.append(slice(lo, hi))
+    index = tuple(index)
+    part = vol[index]
+    aligned = all(s.start in e and s.stop in e for s, e in zip(index, edges))
+    whole = all(s == slice(0, n) for s, n in zip(index, vol.shape))
+    assert isinstance(part, GpulazyArray) == aligned, index
+    got = part.compute()
+    assert np.array_equal(got, want[index]) and got.shape == want[index].shape
+    if aligned:
+        assert part.compute_path == "fast" and part.chunk_index is not None
+        assert part.chunk_index.shape == want[index].shape and (whole or part.name != vol.name)
+        assert np.array_equal(part.max(axis=0).compute(), want[index].max(axis=0))  # derived: dask, same values
+        assert np.array_equal(pickle.loads(pickle.dumps(part)).compute(), want[index])
+
+
+def test_a_slice_reads_through_the_same_cache_entries(stack):
+    paths, want = stack
+    cache = DeviceCache("1 MiB", device="cpu", name="test-slice-cache")
+    try:
+        vol = _vol(paths, cache=cache)
+        assert np.array_equal(vol[:4].max(axis=0).compute(), want[:4].max(axis=0))  # caches chunks 0 and 1
+        assert cache.stats()["loads"] == 2
+        part = vol[2:6]
+        assert isinstance(part, GpulazyArray) and np.array_equal(part.compute(), want[2:6])
+        s = cache.stats()
+        assert s["loads"] == 2 and s["hits"] == 1  # chunk 1 from the cache, chunk 2 read past it
+    finally:
+        cache.close()
+
+
+def test_a_changed_array_slices_through_dask(stack):
+    paths, want = stack
+    vol = _vol(paths)
+    vol[0] = 0
+    assert type(vol[2:4]) is da.Array
+    want = want.copy()
+    want[0] = 0
+    assert np.array_equal(vol[0:2].compute(), want[0:2])
+
+
 def test_fast_path_fills_from_cache_hits_without_inserting_misses(stack):
     paths, want = stack
     cache = DeviceCache("1 MiB", device="cpu")
@@ -202,7 +256,8 @@ def test_fast_path_fills_from_cache_hits_without_inserting_misses(stack):
         vol = _vol(paths, cache=cache)
         assert np.array_equal(vol.compute(), want) and vol.compute_path == "fast"
         assert len(cache) == 0 and cache.stats()["misses"] == 0  # misses read straight into the result
-        assert np.array_equal(vol[:2].compute(), want[:2])  # dask path: caches the first block
+        assert np.array_equal(vol[:2].compute(), want[:2]) and len(cache) == 0  # a slice's fast path
+        assert np.array_equal(vol[:2].map_blocks(np.copy).compute(), want[:2])  # dask: caches the first block
         assert len(cache) == 1
         hits = cache.stats()["hits"]
         assert np.array_equal(vol.compute(), want) and vol.compute_path == "fast"

@@ -224,6 +224,16 @@ def test_slices_on_chunk_boundaries_stay_gpulazy_arrays_with_the_fast_path(stack
         assert np.array_equal(pickle.loads(pickle.dumps(part)).compute(), want[index])
 
 
+def test_a_slice_on_chunk_boundaries_reads_onto_each_device(stack, device):
+    paths, want = stack
+    vol = _vol(paths, device=device)
+    part = vol[2:6, :, 0:7]
+    assert isinstance(part, GpulazyArray)
+    got = part.compute()
+    assert part.compute_path == "fast" and type(got).__module__.split(".")[0] == ("numpy" if device == "cpu" else "cupy")
+    assert np.array_equal(to_host(got), want[2:6])
+
+
 def test_a_slice_reads_through_the_same_cache_entries(stack):
     paths, want = stack
     cache = DeviceCache("1 MiB", device="cpu", name="test-slice-cache")

@@ -16,7 +16,8 @@ overlaps reading the next batches with computing on this one.
 
 A window exists only in the process that culled the graph: pickled (to
 ``dask.distributed`` workers) it becomes ``None`` and every batch task reads its own
-batch, as before.
+batch, as before. Batches started and never claimed (a compute that failed elsewhere) go
+with the graph: the backend's batch waits for its reads before its buffers are freed.
 """
 
 from __future__ import annotations
@@ -95,15 +96,6 @@ class PendingBatch:
                 arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
         return arrays
 
-    def settle(self) -> None:
-        """Wait for the reads in flight and drop them (a batch nobody will claim)."""
-        for p in self.pending:
-            try:
-                p.future.result()
-            except BaseException:
-                pass
-        self.pending = []
-
     def _finish(self) -> list[Any]:
         from gpulazy.integrity import as_read_error
 
@@ -176,15 +168,6 @@ class ReadWindow:
                     return  # its own task reads it, and raises there
                 self._inflight += nbytes
             i += step
-
-    def settle(self) -> None:
-        """Wait for every batch started and not claimed (nothing is left writing into memory)."""
-        with self._lock:
-            for j, b in enumerate(self._state):
-                if isinstance(b, PendingBatch):
-                    b.settle()
-                    self._state[j] = None
-            self._inflight = 0
 
 
 def _nbytes(specs: tuple[ChunkSpec, ...]) -> int:

@@ -65,7 +65,6 @@ class PendingBatch:
 
     def _submit(self, batch: list[ChunkSpec]) -> list[Any]:
         from gpulazy.device import get_device
-        from gpulazy.integrity import as_read_error
         from gpulazy.io import start_chunks
         from gpulazy.memory import retry_on_oom
 
@@ -77,7 +76,7 @@ class PendingBatch:
                 what=f"reading {len(batch)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
                 else "reading chunks")
         except OSError as e:
-            raise as_read_error(e, first) from e
+            _raise_read_error(e, first)
 
     def result(self) -> list[Any]:
         """The arrays, in order, each complete on every stream; raises the first read's error."""
@@ -97,23 +96,12 @@ class PendingBatch:
         return arrays
 
     def _finish(self) -> list[Any]:
-        from gpulazy.integrity import as_read_error
+        from gpulazy.io import finish_chunks
 
-        # Every read settles before an error is raised, so nothing writes into a dropped buffer.
-        errors: list[BaseException] = []
-        for p in self.pending:
-            try:
-                p.future.result()
-            except BaseException as e:
-                errors.append(e)
-        if errors:
-            if isinstance(errors[0], (KeyboardInterrupt, SystemExit)):
-                raise errors[0]
-            raise as_read_error(errors[0], self.specs[self.todo[0]]) from errors[0]
         try:
-            return [p.result() for p in self.pending]
+            return finish_chunks(self.pending)
         except OSError as e:
-            raise as_read_error(e, self.specs[self.todo[0]]) from e
+            _raise_read_error(e, self.specs[self.todo[0]])
 
 
 class ReadWindow:
@@ -168,6 +156,16 @@ class ReadWindow:
                     return  # its own task reads it, and raises there
                 self._inflight += nbytes
             i += step
+
+
+def _raise_read_error(error: OSError, spec: ChunkSpec) -> None:
+    """Raise ``error`` as a ``ChunkReadError`` naming ``spec``'s file (itself if it is one already)."""
+    from gpulazy.integrity import as_read_error
+
+    err = as_read_error(error, spec)
+    if err is error:
+        raise error
+    raise err from error
 
 
 def _nbytes(specs: tuple[ChunkSpec, ...]) -> int:

@@ -550,9 +550,6 @@ def run_suite(datasets: list[Dataset], device: Device, *, modes: Iterable[str] =
     return rows
 
 
-_GPULAZY = ("gpulazy", "gpulazy_mip")
-
-
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """gpulazy's throughput over each other method's, per scenario and mode."""
     out = []
@@ -568,7 +565,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _is_gpulazy(row: dict[str, Any]) -> bool:
-    return row.get("kind") == "gpulazy" or row["method"] in _GPULAZY
+    method = METHODS.get(row["method"])
+    return (method.kind if method else row.get("kind")) == "gpulazy"
 
 
 def _not_for_device(row: dict[str, Any]) -> bool:
@@ -603,7 +601,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                         notes.append(r["skipped"])
                 ratio = rats.get((scenario, mode, name))
                 ratio_cells.append(f"{ratio:.2f}×" if ratio else "—")
-            ratio_text = "" if name in _GPULAZY else ", ".join(ratio_cells)
+            ratio_text = "" if _is_gpulazy({"method": name}) else ", ".join(ratio_cells)
             lines.append(f"  {label:<52}" + "".join(f"{c:>11}" for c in cells) + f"   {ratio_text}")
             for note in dict.fromkeys(notes):
                 lines.append(f"      ({note})")

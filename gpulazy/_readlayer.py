@@ -56,8 +56,9 @@ class ReadLayer(MaterializedLayer):
     ``batch_size`` bytes of chunks (neighbours in block order, and at most 1/8 of the
     chunks needed) in one submission, and
     one ``pick`` task per chunk under the old key, so downstream tasks are unchanged.
-    The batch tasks of one compute share a ``ReadWindow``: the first to run starts the
-    following batches in order, config ``read_ahead`` bytes ahead (``gpulazy._batchread``).
+    The batch tasks of one compute share a ``ReadWindow``: each batch is submitted whole,
+    and each task starts the batches likely to run next, up to config ``read_ahead`` bytes
+    (``gpulazy._batchread``).
     ``batch_size=0`` keeps a read task per chunk, as does an active ``gpulazy.prefetch``
     (it overlaps reads with compute chunk by chunk). (A layer dask merges into another,
     as ``fuse_roots`` does for blockwise operations over several inputs, is culled

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -39,7 +40,7 @@ from gpulazy.io import backend_class, get_backend
 from gpulazy.spec import ByteRange
 from gpulazy.stats import default_stats
 
-__all__ = ["BackendConformance", "LayoutConformance", "file_bytes", "write_file"]
+__all__ = ["BackendConformance", "LayoutConformance", "file_bytes", "write_file", "wait_for_idle"]
 
 GiB = 1 << 30
 _TIMEOUT = 120.0  # seconds a result() may take before the suite calls it a hang
@@ -59,6 +60,21 @@ def file_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
 
 def _random_bytes(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+
+def wait_for_idle(cache: Any, timeout: float = 10.0) -> dict:
+    """Wait until ``cache`` has no prefetch queued or in flight; its ``stats()`` then.
+
+    Raises ``AssertionError`` with the stats if it is still busy after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = cache.stats()
+        if s["queued"] == 0 and s["in_flight"] == 0:
+            return s
+        time.sleep(0.005)
+    raise AssertionError(f"cache {getattr(cache, 'name', cache)!r} still busy after {timeout} s: {cache.stats()}")
 
 
 class BackendConformance:

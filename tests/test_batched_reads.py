@@ -100,8 +100,9 @@ def test_a_read_error_in_a_batch_names_the_file(tmp_path):
     vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
     with open(paths[5], "r+b") as f:
         f.truncate(10)
-    with pytest.raises(gpulazy.errors.ChunkReadError, match="z005.raw"):
+    with pytest.raises(gpulazy.errors.ChunkReadError, match="z005.raw") as info:
         vol.max(axis=0).compute()
+    assert info.value.__cause__ is not info.value  # never its own cause
 
 
 def test_distributed_runs_batched_graphs(tmp_path):

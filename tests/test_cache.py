@@ -19,6 +19,7 @@ from gpulazy.errors import ConfigError
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
 
 from conftest import to_host
+from gpulazy.testing import wait_for_idle as wait_idle
 
 # --- helpers ---------------------------------------------------------------------
 
@@ -73,17 +74,6 @@ class Loader:
             raise OSError(f"cannot read {spec.paths[0]!r} at offset {spec.ranges[0].offset}")
         with self.device.activate():
             return self.device.xp.asarray(np_read(spec))
-
-
-def wait_idle(cache: DeviceCache, timeout: float = 10.0) -> dict:
-    """Wait until no prefetch is queued or in flight; the stats then."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = cache.stats()
-        if s["queued"] == 0 and s["in_flight"] == 0:
-            return s
-        time.sleep(0.005)
-    raise AssertionError(f"cache never went idle: {cache.stats()}")
 
 
 @pytest.fixture

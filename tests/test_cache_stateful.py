@@ -12,7 +12,6 @@ import atexit
 import os
 import shutil
 import tempfile
-import time
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -22,6 +21,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from gpulazy.array import ChunkSource
 from gpulazy.cache import DeviceCache
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
+from gpulazy.testing import wait_for_idle
 
 from test_cache import np_read
 
@@ -117,14 +117,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def wait_idle(self):
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            s = self.cache.stats()
-            if s["queued"] == 0 and s["in_flight"] == 0:
-                break
-            time.sleep(0.002)
-        else:
-            raise AssertionError(f"prefetches never finished: {self.cache.stats()}")
+        s = wait_for_idle(self.cache)
         assert s["bytes_reserved"] == 0
         assert self.read.count == s["loads"] + s["errors"]
         assert s["errors"] == 0

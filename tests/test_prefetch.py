@@ -22,6 +22,7 @@ from gpulazy.cache import DeviceCache
 from gpulazy.errors import ChunkReadError
 from gpulazy.prefetch import CACHE_FRACTION, ReadAheadPlan, find_reads
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
+from gpulazy.testing import wait_for_idle as wait_idle
 
 from conftest import to_host
 
@@ -367,16 +368,6 @@ def test_hooks_cancel_what_is_queued(tmp_path, cache):
     wait_idle(cache)
     s = cache.stats()
     assert s["loads"] + s["cancelled"] == issued
-
-
-def wait_idle(cache, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = cache.stats()
-        if s["queued"] == 0 and s["in_flight"] == 0:
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"cache {cache.name} still busy: {cache.stats()}")
 
 
 @pytest.mark.parametrize("scheduler", ["threads", "sync"])

@@ -13,7 +13,7 @@ from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 from gpulazy.device import Device, get_device
 from gpulazy.errors import BackendUnavailableError
 from gpulazy.io._base import Backend, ReadFuture
-from gpulazy.io._read import PendingChunk, decode, read_chunk, read_chunks, start_chunks, submit_chunk
+from gpulazy.io._read import PendingChunk, decode, finish_chunks, read_chunk, read_chunks, start_chunks, submit_chunk
 
 __all__ = [
     "Backend",
@@ -26,6 +26,7 @@ __all__ = [
     "read_chunk",
     "read_chunks",
     "start_chunks",
+    "finish_chunks",
     "PendingChunk",
     "submit_chunk",
     "decode",

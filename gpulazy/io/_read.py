@@ -15,7 +15,7 @@ from gpulazy.device import Device, own_stream
 from gpulazy.io._base import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_chunk", "read_chunks", "start_chunks", "PendingChunk", "submit_chunk", "decode"]
+__all__ = ["read_chunk", "read_chunks", "start_chunks", "finish_chunks", "PendingChunk", "submit_chunk", "decode"]
 
 
 def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> tuple[ReadFuture, Any]:
@@ -43,7 +43,12 @@ def read_chunks(specs: list[ChunkSpec], backend: Backend, *, staged: bool | None
 
     Every read settles before an error is raised, so nothing writes into a dropped buffer.
     """
-    pending = start_chunks(specs, backend, staged=staged)
+    return finish_chunks(start_chunks(specs, backend, staged=staged))
+
+
+def finish_chunks(pending: list[PendingChunk]) -> list[Any]:
+    """The arrays of ``pending``, in order; every read settles before the first error is raised,
+    so nothing writes into a dropped buffer."""
     errors: list[BaseException] = []
     for p in pending:
         try:

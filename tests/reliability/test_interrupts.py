@@ -15,6 +15,7 @@ import pytest
 import fault_backend
 import gpulazy
 from gpulazy.cache import DeviceCache
+from gpulazy.testing import wait_for_idle as _idle
 
 N, ROWS = 48, (16, 256)
 
@@ -32,16 +33,6 @@ def cache():
     c = DeviceCache("1 MiB", device="cpu")  # the volume is 384 KiB: room to read ahead
     yield c
     c.close()
-
-
-def _idle(cache, within=10.0):
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        s = cache.stats()
-        if s["queued"] == 0 and s["in_flight"] == 0:
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"read-ahead still busy {within} s after the interrupt: {cache.stats()}")
 
 
 def _vol(path, cache, **kw):
@@ -152,7 +143,7 @@ def test_distributed_cancel_stops_read_ahead(volume):
             time.sleep(0.02)
         future.cancel()
         assert future.cancelled()
-        s = _idle(cache, within=20)
+        s = _idle(cache, timeout=20)
         assert s["loads"] < N  # it stopped before reading everything
         fault_backend.install(None)
         assert int(client.compute(vol.sum()).result()) == int(data.sum(dtype=np.uint64))

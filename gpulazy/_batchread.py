@@ -95,6 +95,31 @@ class PendingBatch:
                 arrays[i] = arr if cache is None else cache.get(specs[i], lambda s, a=arr: a)
         return arrays
 
+    def chunk(self, i: int) -> Any:
+        """Chunk ``i``'s array as soon as its own read is in; the rest of the batch may still be reading.
+
+        The ``pick`` task of one chunk calls this, so a compute on a batch's first chunk
+        starts when that chunk lands, not when the whole batch has. Safe from several
+        threads at once (for different chunks, or the same one twice).
+        """
+        source, spec = self.source, self.specs[i]
+        if source.verify:
+            return source.load(spec)
+        arr = self.arrays[i]
+        if arr is not None:
+            return arr
+        cache = source.cache_instance()
+        if i in self.held:
+            return cache.get(spec, source.read)
+        try:
+            read = self.pending[self.todo.index(i)].result()
+        except OSError as e:
+            _raise_read_error(e, spec)
+        from gpulazy.integrity import check_all_unchanged
+
+        check_all_unchanged((spec,))  # written to during the read: mixed bytes
+        return read if cache is None else cache.get(spec, lambda s, a=read: a)
+
     def _finish(self) -> list[Any]:
         from gpulazy.io import finish_chunks
 
@@ -107,15 +132,22 @@ class PendingBatch:
 class ReadWindow:
     """The read batches of one compute, each submitted whole, with ``read_ahead`` bytes started early.
 
-    ``load(j)`` is batch ``j``'s task: it claims the batch (starting it if nobody had),
-    starts the batches after it, in the direction the tasks have been claiming them
-    (dask orders independent roots as the rest of the graph suits it: for a sum
-    7, 6, ..., 0, for a MIP 7, 4, 5, 6, 3, ...), while the started and unclaimed ones
-    stay within ``ahead`` bytes, and waits for its own batch. Every submission happens
-    under one lock, so the reads of concurrent batch tasks never interleave in the I/O
-    queue: each batch lands as a whole, in the order the tasks asked for them. A
-    read-ahead that fails to start (no memory, a file gone) is dropped: that batch's
-    task reads it and raises then.
+    ``claim(j)`` is batch ``j``'s task: it claims the batch (starting it if nobody had)
+    and starts the batches expected to run next while the started and unclaimed ones
+    stay within ``ahead`` bytes; the batch's ``pick`` tasks then wait for their own
+    chunks. Every submission happens under one lock, so the reads of concurrent batch
+    tasks never interleave in the I/O queue: each batch lands as a whole, in the order
+    they were started. A read-ahead that fails to start (no memory, a file gone) is
+    dropped: that batch's task reads it and raises then.
+
+    Which batches run next: the order dask will run them in, when a ``gpulazy.prefetch``
+    has given it (``set_order``, from ``dask.order``). Otherwise a guess: on, cyclically,
+    from the batch claimed last in the direction the claims have been moving, and downwards
+    at first. Dask orders independent roots as the rest of the graph suits it, and mostly
+    from the last down (found with ``ReadWindow.claim`` logged, 8 batches):
+    ``sum``, ``std``, ``astype().sum`` and ``rechunk`` 7, 6, ..., 0; ``map_blocks`` and
+    ``mean(axis=(1, 2))`` 1, 0, 7, 6, ..., 2; a MIP 7, 6, 4, 5, 1, 0, 3, 2.
+    A batch the guess did not start waits behind the read-ahead already queued.
     """
 
     def __init__(self, batches: list[tuple[ChunkSpec, ...]], source: Any, ahead: int):
@@ -124,11 +156,19 @@ class ReadWindow:
         self._state: list[Any] = [None] * len(batches)  # None: not started; PendingBatch; True: claimed
         self._inflight = 0                               # bytes started and not yet claimed
         self._last: int | None = None                    # the batch claimed last
+        self._order: list[int] | None = None             # the run order, when known
+        #: Batches started ahead of their tasks, and those their task had to start itself.
+        self.read_ahead = self.started_by_task = 0
 
     def __reduce__(self) -> tuple:
         return _no_window, ()  # another process: each batch task reads its own batch
 
     def load(self, j: int) -> list[Any]:
+        """Batch ``j``'s arrays, in order (``claim(j).result()``)."""
+        return self.claim(j).result()
+
+    def claim(self, j: int) -> PendingBatch:
+        """Batch ``j``, started (now, unless read ahead already), and the read-ahead after it."""
         with self._lock:
             mine = self._state[j]
             if isinstance(mine, PendingBatch):
@@ -136,26 +176,40 @@ class ReadWindow:
             self._state[j] = True
             if not isinstance(mine, PendingBatch):  # not started yet (or a task run again)
                 mine = PendingBatch.start(self.source, self.batches[j])
-            step = -1 if self._last is not None and self._last > j else 1
+                self.started_by_task += 1
+            self._top_up(self._next(j))
             self._last = j
-            self._top_up(j, step)
-        return mine.result()
+        return mine
 
-    def _top_up(self, j: int, step: int) -> None:
-        # Lock held. Start the unstarted batches after ``j`` (by ``step``) while they fit.
+    def set_order(self, order: list[int]) -> None:
+        """The batches in the order their tasks will run; start the first ``ahead`` bytes of them now."""
+        with self._lock:
+            self._order = [j for j in order if 0 <= j < len(self.batches)]
+            self._top_up(iter(self._order))
+
+    def _next(self, j: int) -> Any:
+        # Lock held. The batches expected after ``j``, nearest first.
+        if self._order is not None:
+            return iter(self._order)  # the claimed and started ones are skipped
+        n, last = len(self.batches), self._last
+        step = 1 if last is not None and (j - last) % n < (last - j) % n else -1
+        return ((j + step * k) % n for k in range(1, n))
+
+    def _top_up(self, upcoming: Any) -> None:
+        # Lock held. Start the unstarted batches of ``upcoming``, in order, while they fit.
         state = self._state
-        i = j + step
-        while 0 <= i < len(state):
-            if state[i] is None:
-                nbytes = _nbytes(self.batches[i])
-                if self._inflight + nbytes > self.ahead:
-                    return
-                try:
-                    state[i] = PendingBatch.start(self.source, self.batches[i])
-                except Exception:
-                    return  # its own task reads it, and raises there
-                self._inflight += nbytes
-            i += step
+        for i in upcoming:
+            if state[i] is not None:
+                continue
+            nbytes = _nbytes(self.batches[i])
+            if self._inflight + nbytes > self.ahead:
+                return
+            try:
+                state[i] = PendingBatch.start(self.source, self.batches[i])
+            except Exception:
+                return  # its own task reads it, and raises there
+            self._inflight += nbytes
+            self.read_ahead += 1
 
 
 def _raise_read_error(error: OSError, spec: ChunkSpec) -> None:

@@ -23,7 +23,7 @@ def _prefetch_registered() -> bool:
     """Whether a ``gpulazy.prefetch`` is active (``with gpulazy.prefetch():``) as dask culls.
 
     (A prefetch passed as ``compute(callbacks=[p])`` is not visible yet when the graph is
-    culled; it then reads ahead batch by batch.)
+    culled; the batches stay, and it gives their ``ReadWindow`` the order dask runs them in.)
     """
     from dask.callbacks import Callback
 
@@ -58,7 +58,8 @@ class ReadLayer(MaterializedLayer):
     one ``pick`` task per chunk under the old key, so downstream tasks are unchanged.
     The batch tasks of one compute share a ``ReadWindow``: each batch is submitted whole,
     and each task starts the batches likely to run next, up to config ``read_ahead`` bytes
-    (``gpulazy._batchread``).
+    (``gpulazy._batchread``). A batch task returns as soon as its batch is submitted;
+    each ``pick`` waits for its own chunk.
     ``batch_size=0`` keeps a read task per chunk, as does an active ``gpulazy.prefetch``
     (it overlaps reads with compute chunk by chunk). (A layer dask merges into another,
     as ``fuse_roots`` does for blockwise operations over several inputs, is culled

@@ -141,21 +141,26 @@ def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
     return source.load(spec)
 
 
-def read_batch(specs: tuple[ChunkSpec, ...], source: ChunkSource, window: Any = None, j: int = 0) -> list[Any]:
+def read_batch(specs: tuple[ChunkSpec, ...], source: ChunkSource, window: Any = None, j: int = 0) -> Any:
     """The dask task that reads several chunks in one submission (see ``gpulazy._readlayer``).
 
-    Returns their arrays in order, each complete on every stream (``ChunkSource.load_many``).
     ``window``: the compute's ``gpulazy._batchread.ReadWindow``, which may have started
-    this batch (``j``) already and starts the next ones; ``None`` reads this batch alone.
+    this batch (``j``) already and starts the next ones. With it, returns at once the
+    batch in flight (a ``PendingBatch``), and each ``pick`` task waits for its own
+    chunk only. ``None`` (a ``dask.distributed`` worker: a batch in flight cannot travel
+    to another worker) reads this batch alone and returns its arrays in order, each
+    complete on every stream (``ChunkSource.load_many``).
     """
     if window is None:
         return source.load_many(specs)
-    return window.load(j)
+    return window.claim(j)
 
 
-def pick(batch: list[Any], i: int) -> Any:
+def pick(batch: Any, i: int) -> Any:
     """Chunk ``i`` of a ``read_batch`` result: the task that stands for one chunk's read."""
-    return batch[i]
+    if isinstance(batch, list):
+        return batch[i]
+    return batch.chunk(i)
 
 
 # -- from_files ---------------------------------------------------------------------------

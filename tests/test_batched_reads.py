@@ -193,8 +193,9 @@ def test_registered_prefetch_keeps_a_read_task_per_chunk(tmp_path):
 
 # -- the read window: batches started in order, ahead of their tasks ---------------------------
 
-def _spy_starts(monkeypatch):
-    """Record the first chunk index of every batch ``PendingBatch.start`` submits, and the window's bytes."""
+def _spy_starts(monkeypatch, claims=None):
+    """Record the first chunk index of every batch ``PendingBatch.start`` submits, and the window's bytes
+    (and in ``claims`` the batches in the order their tasks claimed them)."""
     from gpulazy import _batchread
 
     started, inflight = [], []
@@ -205,13 +206,19 @@ def _spy_starts(monkeypatch):
         return real(cls, source, specs)
 
     monkeypatch.setattr(_batchread.PendingBatch, "start", classmethod(start))
-    top_up = _batchread.ReadWindow._top_up
+    top_up, claim = _batchread.ReadWindow._top_up, _batchread.ReadWindow.claim
 
-    def spy_top_up(self, j, step):
-        top_up(self, j, step)
+    def spy_top_up(self, upcoming):
+        top_up(self, upcoming)
         inflight.append((self._inflight, self.ahead))
 
+    def spy_claim(self, j):
+        if claims is not None:
+            claims.append(self.batches[j][0].index[0])
+        return claim(self, j)
+
     monkeypatch.setattr(_batchread.ReadWindow, "_top_up", spy_top_up)
+    monkeypatch.setattr(_batchread.ReadWindow, "claim", spy_claim)
     return started, inflight
 
 
@@ -247,10 +254,37 @@ def test_the_window_reads_ahead_in_the_direction_tasks_claim(tmp_path, monkeypat
         got = window.load(j)
         assert np.array_equal(np.concatenate(got), data[2 * j: 2 * j + 2])  # its own batch, whatever was started
     assert sorted(started) == list(range(0, 12, 2)) and all(n <= 2 * nbytes for n, _ in inflight)
-    if order == [0, 1, 2, 3, 4, 5]:
-        assert started == [0, 2, 4, 6, 8, 10] and inflight[0][0] == 2 * nbytes
-    if order == [5, 4, 3, 2, 1, 0]:  # the first claim guesses upwards (nothing there), the second learns
-        assert started == [10, 8, 6, 4, 2, 0] and inflight[1][0] == 2 * nbytes
+    if order == [5, 4, 3, 2, 1, 0]:  # the first claim guesses downwards, as dask mostly runs roots
+        assert started == [10, 8, 6, 4, 2, 0] and inflight[0][0] == 2 * nbytes
+        assert (window.read_ahead, window.started_by_task) == (5, 1)
+    if order == [0, 1, 2, 3, 4, 5]:  # the guess wraps around to 5 and 4; the claims then learn upwards
+        assert started == [0, 10, 8, 2, 4, 6] and inflight[0][0] == 2 * nbytes
+    if order == [5, 2, 3, 4, 1, 0]:  # 4, 3 read ahead; 2 claimed out of turn; then the guess is upwards
+        assert started == [10, 8, 6, 4, 0, 2] and window.started_by_task == 2  # (wrapping to 0, 1): 1 misses
+
+
+def test_a_given_order_is_read_ahead_from_the_start(tmp_path, monkeypatch):
+    window, data, nbytes = _window_over(tmp_path, 12, 2, 2)
+    started, inflight = _spy_starts(monkeypatch)
+    order = [3, 0, 5, 1, 4, 2]
+    window.set_order(order)
+    assert started == [6, 0] and window._inflight == 2 * nbytes  # before any task ran
+    for j in order:
+        assert np.array_equal(np.concatenate(window.load(j)), data[2 * j: 2 * j + 2])
+    assert started == [2 * j for j in order] and all(n <= 2 * nbytes for n, _ in inflight)
+    assert (window.read_ahead, window.started_by_task) == (6, 0)
+
+
+def test_each_chunk_of_a_batch_is_handed_out_on_its_own(tmp_path):
+    window, data, _ = _window_over(tmp_path, 8, 4, 0)
+    batch = read_batch(window.batches[0], window.source, window, 0)  # submitted, not waited for
+    with open(window.batches[0][3].paths[0], "ab") as f:  # z003.raw, the batch's last chunk, changes
+        f.write(b"more")
+    for i in (2, 0, 1):  # the others are handed out, in any order, each equal to its file
+        assert np.array_equal(gpulazy.array.pick(batch, i), data[i:i + 1])
+    with pytest.raises(gpulazy.errors.GpulazyError, match="z003.raw"):
+        batch.chunk(3)
+    assert np.array_equal(np.concatenate(window.load(1)), data[4:])
 
 
 def test_the_window_under_threads_reads_each_batch_once(tmp_path, monkeypatch):
@@ -284,16 +318,16 @@ def test_a_pickled_window_reads_its_own_batch(tmp_path):
     window = ReadWindow([specs[:2], specs[2:]], vol.chunk_source, 1 << 20)
     assert pickle.loads(pickle.dumps(window)) is None  # another process: no shared window
     assert np.array_equal(np.concatenate(read_batch(specs[2:], vol.chunk_source, None, 1)), data[2:])
-    assert np.array_equal(np.concatenate(read_batch(specs[2:], vol.chunk_source, window, 1)), data[2:])
-    assert np.array_equal(np.concatenate(read_batch(specs[:2], vol.chunk_source, window, 0)), data[:2])
+    assert np.array_equal(np.concatenate(read_batch(specs[2:], vol.chunk_source, window, 1).result()), data[2:])
+    assert np.array_equal(np.concatenate(read_batch(specs[:2], vol.chunk_source, window, 0).result()), data[:2])
 
 
 def test_a_read_ahead_batch_that_fails_raises_in_its_own_task(tmp_path, monkeypatch):
     window, data, _ = _window_over(tmp_path, 12, 2, 100)
     os.unlink(window.batches[2][1].paths[0])  # z005.raw, in batch 2
     started, _ = _spy_starts(monkeypatch)
-    assert np.array_equal(np.concatenate(window.load(0)), data[:2])  # starts 1 and tries 2: dropped
-    assert started == [0, 2, 4] and window._state[2] is None
+    assert np.array_equal(np.concatenate(window.load(0)), data[:2])  # reads ahead 5, 4, 3 and tries 2: dropped
+    assert started == [0, 10, 8, 6, 4] and window._state[2] is None
     assert np.array_equal(np.concatenate(window.load(1)), data[2:4])
     with pytest.raises(gpulazy.errors.GpulazyError, match="z005.raw"):
         window.load(2)

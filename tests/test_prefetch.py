@@ -300,8 +300,33 @@ def test_callbacks_argument_and_concurrent_computations(tmp_path, cache):
         t.join(60)
     assert results == {"a": int(data_a.sum()), "b": int(data_b.sum())}
     s = cache.stats()
-    assert s["loads"] == 32 and s["prefetched"] > 0 and s["queued"] == 0
+    # Passed as a callback, the prefetch comes after culling: the reads stay batched and it
+    # orders each compute's read window (nothing goes through the cache's prefetch).
+    assert s["loads"] == 32 and s["prefetched"] == 0 and s["queued"] == 0
+    summary = p.last_summary
+    assert summary["batches"] == 8 and summary["batches_read_ahead"] + summary["batches_started_by_task"] == 8
     assert not p._runs and not Callback.active
+
+
+@pytest.mark.parametrize("scheduler", ["threads", "sync"])
+def test_a_prefetch_callback_orders_the_read_window(tmp_path, cache, scheduler, monkeypatch):
+    from gpulazy._batchread import ReadWindow
+
+    vol, data = make_volume(tmp_path, n=64, cache=cache)
+    claims = []
+    claim = ReadWindow.claim
+    monkeypatch.setattr(ReadWindow, "claim", lambda self, j: claims.append(j) or claim(self, j))
+    p = gpulazy.prefetch()
+    for compute in (vol.map_blocks(lambda b: b[:1].copy(), dtype=vol.dtype), vol.max(axis=0), vol.sum()):
+        expected = compute.compute(scheduler=scheduler)
+        claims.clear()
+        cache.clear()
+        assert np.array_equal(compute.compute(scheduler=scheduler, callbacks=[p]), expected)
+        s = p.last_summary
+        assert s["batches"] == 8 and sorted(claims) == list(range(8))
+        # dask.order's order: under ``sync`` exactly the claims; every batch started before its task
+        assert s["batches_started_by_task"] == 0 and s["batches_read_ahead"] == 8
+    assert not p._runs and cache.stats()["prefetched"] == 0
 
 
 def test_register_unregister_and_legacy_graphs(tmp_path, cache):
@@ -410,7 +435,7 @@ def test_depth_follows_config(tmp_path, cache):
 
 def test_default_depth_grows_with_the_pool(tmp_path, cache):
     vol, data = make_volume(tmp_path, n=24, cache=cache)
-    with gpulazy.config.set(prefetch_depth=2):
+    with gpulazy.config.set(prefetch_depth=2, batch_size=0):  # a read per chunk: planned chunk by chunk
         auto, fixed = gpulazy.prefetch(), gpulazy.prefetch(depth=2)
         for p in (auto, fixed):
             cache.clear()

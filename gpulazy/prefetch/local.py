@@ -10,7 +10,7 @@ import threading
 from typing import Any, Hashable, Iterator
 
 from gpulazy import config
-from gpulazy.prefetch.plan import ReadAhead, find_reads
+from gpulazy.prefetch.plan import ReadAhead, find_reads, window_batch
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["prefetch", "plan_graph"]
@@ -119,13 +119,20 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         depth = self.depth or config.get("prefetch_depth")
         only = self._only_cache()
         run = ReadAhead(depth=depth, capacity=self.capacity, only=only)
-        by_task = plan_graph(dsk, run)
-        if not by_task:
+        windows: dict[int, tuple[Any, list[int]]] = {}
+        by_task = plan_graph(dsk, run, windows)
+        if not by_task and not windows:
             return
         run.by_task = by_task
+        run.windows = [window for window, _ in windows.values()]
         with self._lock:
             self._runs[id(state)] = run
-        run.start([r for rids in by_task.values() for r in rids])
+        for window, order in windows.values():
+            if self.capacity is not None:
+                window.ahead = min(window.ahead, self.capacity)
+            window.set_order(order)  # its first batches start now, before the first task
+        if by_task:
+            run.start([r for rids in by_task.values() for r in rids])
 
     def _pretask(self, key: Any, dsk: dict, state: dict) -> None:
         run = self._runs.get(id(state))
@@ -143,7 +150,11 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
             run = self._runs.pop(id(state), None)
         if run is not None:
             run.stop()
-            self.last_summary = dict(run.summary(), errored=bool(errored))
+            windows = run.windows
+            self.last_summary = dict(run.summary(), errored=bool(errored),
+                                     batches=sum(len(w.batches) for w in windows),
+                                     batches_read_ahead=sum(w.read_ahead for w in windows),
+                                     batches_started_by_task=sum(w.started_by_task for w in windows))
 
     def _only_cache(self) -> Any:
         if self.cache is None or not isinstance(self.cache, str):
@@ -194,22 +205,34 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         return summaries(client)
 
 
-def plan_graph(dsk: dict, run: ReadAhead) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
+def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None
+               ) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
     """Read tasks of ``dsk`` in run order: ``{task_key: [(read_id, spec), ...]}``.
 
     Only reads that ``run`` can warm are kept; an empty result means there is nothing
-    to read ahead (and ``dask.order`` is not even called).
+    to read ahead (and ``dask.order`` is not even called). The batches of a compute's
+    ``ReadWindow`` are left to their window; given ``windows``, it is filled with
+    ``{id(window): (window, [batch, ...] in run order)}``.
     """
-    found = {}
+    found, batches = {}, {}
     for key, task in dsk.items():
+        in_window = window_batch(task)
+        if in_window is not None:
+            batches[key] = in_window
+            continue
         reads = find_reads(task)
         if reads:
             found[key] = reads
-    if not found:
+    if not found and not (batches and windows is not None):
         return {}
     from dask.order import order
 
     priority = order(dsk)
+    if windows is not None:
+        for key in sorted(batches, key=lambda k: priority.get(k, 0)):
+            window, j = batches[key]
+            if run.only is None or run.cache_for(window.source) is not None:  # ``prefetch(cache=...)``
+                windows.setdefault(id(window), (window, []))[1].append(j)
     by_task: dict[Any, list[tuple[Hashable, ChunkSpec]]] = {}
     for key in sorted(found, key=lambda k: priority.get(k, 0)):
         kept = run.keep(((key, i), spec, source) for i, (spec, source) in enumerate(found[key]))

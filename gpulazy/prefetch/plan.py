@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["ReadAheadPlan", "find_reads", "ReadAhead", "CACHE_FRACTION"]
+__all__ = ["ReadAheadPlan", "find_reads", "window_batch", "ReadAhead", "CACHE_FRACTION"]
 
 #: The look-ahead never holds more than this fraction of a cache (see the module docstring).
 CACHE_FRACTION = 0.5
@@ -198,6 +198,22 @@ def _normalise(reads: Iterable[Any]) -> Iterator[tuple[Hashable, ChunkSpec]]:
 # --------------------------------------------------------------------------- finding reads
 
 
+def window_batch(task: Any) -> tuple[Any, int] | None:
+    """``(window, j)`` when ``task`` is batch ``j`` of a compute's ``ReadWindow``, else None.
+
+    Such a batch is read ahead by its window (``gpulazy._batchread``), not through the cache.
+    """
+    from gpulazy.array import read_batch
+
+    if getattr(task, "func", None) is not read_batch:
+        return None
+    args = getattr(task, "args", ())
+    if len(args) < 4:
+        return None
+    window, j = _literal(args[2]), _literal(args[3])
+    return (window, j) if window is not None and isinstance(j, int) else None
+
+
 def find_reads(task: Any) -> list[tuple[ChunkSpec, Any]]:
     """``(spec, source)`` of every ``load_chunk`` call inside one task, in order.
 
@@ -300,6 +316,8 @@ class ReadAhead:
         self._by_spec: dict[str, Any] = {}                   # spec.key -> cache
         #: Local scheduler: ``{task_key: [(read_id, spec), ...]}`` (see ``plan_graph``).
         self.by_task: dict[Any, list[tuple[Hashable, ChunkSpec]]] = {}
+        #: Local scheduler: the ``ReadWindow``s whose batches this computation runs (ordered by it).
+        self.windows: list[Any] = []
         self.failed: BaseException | None = None
         self.reads_total = 0
 

@@ -2,7 +2,8 @@
 
 ``PendingBatch`` is ``ChunkSource.load_many`` split in two: ``start`` serves what the
 cache holds and submits the other chunks' reads from the calling thread; ``result()``
-waits for them, checks them and offers them to the cache.
+waits for them, checks them and offers them to the cache; ``chunk(i)`` does the same for
+one chunk, so each ``pick`` task of a windowed batch waits for its own read only.
 
 ``ReadWindow`` holds the batches of one compute's ``read_batch`` tasks (made when the
 graph is culled, ``gpulazy._readlayer``). Its batches are submitted one whole batch at a
@@ -16,8 +17,10 @@ overlaps reading the next batches with computing on this one.
 
 A window exists only in the process that culled the graph: pickled (to
 ``dask.distributed`` workers) it becomes ``None`` and every batch task reads its own
-batch, as before. Batches started and never claimed (a compute that failed elsewhere) go
-with the graph: the backend's batch waits for its reads before its buffers are freed.
+batch and returns its arrays (a batch in flight cannot travel to another worker).
+Batches started and never claimed, or claimed and never picked (a compute that failed
+elsewhere), go with the graph: the backend's batch waits for its reads before its
+buffers are freed.
 """
 
 from __future__ import annotations

@@ -322,6 +322,52 @@ def test_a_pickled_window_reads_its_own_batch(tmp_path):
     assert np.array_equal(np.concatenate(read_batch(specs[:2], vol.chunk_source, window, 0).result()), data[:2])
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), nbatches=st.integers(1, 7), per_batch=st.integers(1, 3), ahead=st.integers(0, 5),
+       ordered=st.booleans())
+def test_any_claim_and_pick_order_reads_each_batch_once_within_read_ahead(tmp_path_factory, data, nbatches,
+                                                                           per_batch, ahead, ordered):
+    with pytest.MonkeyPatch.context() as mp:
+        _claims_and_picks(tmp_path_factory.mktemp("w"), mp, data, nbatches, per_batch, ahead, ordered)
+
+
+def _claims_and_picks(tmp, monkeypatch, data, nbatches, per_batch, ahead, ordered):
+    window, planes, nbytes = _window_over(tmp, nbatches * per_batch, per_batch, ahead)
+    started, inflight = _spy_starts(monkeypatch)
+    order = data.draw(st.permutations(range(nbatches)))
+    if ordered:  # told an order (a prefetch callback's), maybe not the one the claims take
+        window.set_order(data.draw(st.permutations(range(nbatches))))
+    claimed = {}
+    picks = [(j, i) for j in range(nbatches) for i in range(per_batch)]
+    steps = data.draw(st.permutations(picks))  # every chunk picked once, in any order; its batch claimed first
+    for j, i in steps:
+        if j not in claimed:
+            claimed[j] = window.claim(j)
+        got = gpulazy.array.pick(claimed[j], i)
+        k = j * per_batch + i
+        assert np.array_equal(got, planes[k:k + 1])
+    assert sorted(started) == [j * per_batch for j in range(nbatches)]  # each batch read once
+    assert all(n <= ahead * nbytes for n, _ in inflight) and window._inflight == 0
+    assert window.read_ahead + window.started_by_task == nbatches
+    j = data.draw(st.sampled_from(order))  # a batch task run again (a retry): read again, same bytes
+    assert np.array_equal(np.concatenate(window.load(j)), planes[j * per_batch:(j + 1) * per_batch])
+    assert len(started) == nbatches + 1 and window._inflight == 0
+
+
+def test_the_chunks_of_one_batch_picked_from_many_threads_at_once(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    window, data, _ = _window_over(tmp_path, 32, 16, 1)
+    for _ in range(5):
+        batches = [window.claim(0), window.claim(1)]
+        work = [(j, i) for j in (0, 1) for i in range(16)] * 2  # each chunk asked for twice
+        np.random.default_rng(_).shuffle(work)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda ji: gpulazy.array.pick(batches[ji[0]], ji[1]), work))
+        for (j, i), arr in zip(work, got):
+            assert np.array_equal(arr, data[16 * j + i:16 * j + i + 1])
+
+
 def test_a_read_ahead_batch_that_fails_raises_in_its_own_task(tmp_path, monkeypatch):
     window, data, _ = _window_over(tmp_path, 12, 2, 100)
     os.unlink(window.batches[2][1].paths[0])  # z005.raw, in batch 2

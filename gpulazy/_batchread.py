@@ -37,7 +37,7 @@ __all__ = ["PendingBatch", "ReadWindow"]
 class PendingBatch:
     """Chunks of one batch: served from the cache or in flight; ``result()`` gives their arrays."""
 
-    __slots__ = ("source", "specs", "arrays", "held", "todo", "pending")
+    __slots__ = ("source", "specs", "arrays", "held", "todo", "pending", "slot")
 
     def __init__(self, source: Any, specs: tuple[ChunkSpec, ...]):
         self.source, self.specs = source, specs
@@ -45,6 +45,7 @@ class PendingBatch:
         self.held: list[int] = []      # chunks a prefetch of the cache is reading
         self.todo: list[int] = []      # chunks read here
         self.pending: list[Any] = []   # their ``PendingChunk``s
+        self.slot: dict[int, int] = {} # chunk -> its place in ``todo`` and ``pending``
 
     @classmethod
     def start(cls, source: Any, specs: tuple[ChunkSpec, ...]) -> PendingBatch:
@@ -64,6 +65,7 @@ class PendingBatch:
                 (self.held if cache is not None and cache.holds(spec) else self.todo).append(i)
         if self.todo:
             self.pending = self._submit([specs[i] for i in self.todo])
+            self.slot = {i: k for k, i in enumerate(self.todo)}
         return self
 
     def _submit(self, batch: list[ChunkSpec]) -> list[Any]:
@@ -112,10 +114,11 @@ class PendingBatch:
         if arr is not None:
             return arr
         cache = source.cache_instance()
-        if i in self.held:
+        k = self.slot.get(i)
+        if k is None:  # held: a prefetch of the cache is reading it
             return cache.get(spec, source.read)
         try:
-            read = self.pending[self.todo.index(i)].result()
+            read = self.pending[k].result()
         except OSError as e:
             _raise_read_error(e, spec)
         from gpulazy.integrity import check_all_unchanged

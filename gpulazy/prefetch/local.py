@@ -46,6 +46,12 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
 
     Notes
     -----
+    Registered (``with``, ``register``) while dask culls the graph, it keeps one read
+    task per chunk of a gpulazy array and warms them as above. Passed as
+    ``compute(callbacks=[p])`` it arrives after culling: the reads are batched then, and
+    it gives each compute's read window (``gpulazy._batchread.ReadWindow``) the order
+    ``dask.order`` predicts instead of warming the same chunks through the cache.
+
     Use ``with gpulazy.prefetch():``, ``p.register()`` / ``p.unregister()``, or per
     computation ``x.compute(callbacks=[gpulazy.prefetch()])`` (best when several threads
     compute at once: Dask's active callbacks are process-global). The ``processes``

@@ -59,6 +59,38 @@ def write_volume(folder: str, planes: int, size: int) -> str:
     return path
 
 
+def _size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file()) + sum(
+        _size(e.path) for e in os.scandir(path) if e.is_dir())
+
+
+def plane_values(z: int, size: int, dtype: Any) -> np.ndarray:
+    """What plane ``z`` holds: every pixel differs from its neighbours and from other planes'."""
+    if np.dtype(dtype).kind == "f":
+        return np.broadcast_to(z + np.arange(size, dtype=np.float32) / size, (size, size))
+    y, x = np.ogrid[:size, :size]
+    return ((z * 131 + y * 7 + x) % 65521).astype(np.uint16)
+
+
+def write_zarr(folder: str, planes: int, size: int, chunks: tuple[int, ...]) -> str:
+    """A zstd-1 Zarr v3 uint16 store of ``plane_values`` in ``chunks`` (reused when there)."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    path = os.path.join(folder, f"bench-napari-{planes}x{size}x{size}-{'x'.join(map(str, chunks))}.zarr")
+    if os.path.exists(os.path.join(path, "done")):
+        return path
+    z = zarr.create_array(path, shape=(planes, size, size), chunks=chunks, dtype="uint16",
+                          compressors=ZstdCodec(level=1), overwrite=True)
+    for a in range(0, planes, chunks[0]):
+        b = min(planes, a + chunks[0])
+        z[a:b] = np.stack([plane_values(k, size, "uint16") for k in range(a, b)])
+    open(os.path.join(path, "done"), "w").close()
+    return path
+
+
 def percentiles(ms: list[float]) -> dict[str, float]:
     if not ms:
         return {"n": 0, "p50_ms": float("nan"), "p95_ms": float("nan"), "max_ms": float("nan")}
@@ -80,10 +112,13 @@ def step_pass(viewer: Any, layer: Any, planes: list[int], rate: float, check: bo
         t0 = time.perf_counter()
         viewer.dims.set_current_step(0, z)
         out.append(1e3 * (time.perf_counter() - t0))
-        if check:
+        if check:  # every pixel of the plane napari shows, against what the file holds
             shown = np.asarray(layer._slice.image.view)
-            if not (shown[:, 0] == z).all():  # column 0 of plane z holds z exactly
-                raise AssertionError(f"plane {z}: napari shows a plane starting {shown[0, :2]}")
+            want = plane_values(z, shown.shape[-1], shown.dtype)
+            if not np.array_equal(shown, want):
+                bad = np.argwhere(shown != want)
+                raise AssertionError(f"plane {z}: napari shows {len(bad)} pixels unlike the file, "
+                                     f"first at {tuple(bad[0])}: {shown[tuple(bad[0])]} != {want[tuple(bad[0])]}")
     return out
 
 
@@ -102,6 +137,12 @@ def run_way(way: str, path: str, args: argparse.Namespace, planes: list[int], sp
         cache = gpulazy.DeviceCache(args.cache, device=args.device, name="bench-napari")
         ((data, kwargs, _),) = napari_gpulazy.read_layers(path, device=args.device, cache=cache, prefetch=False)
         chunks = data.array.chunks
+    elif args.format == "zarr-zstd":
+        import dask.array as da
+
+        data = da.from_zarr(path)
+        chunks = data.chunks
+        kwargs = {"name": "dask"}
     else:
         import dask.array as da
 
@@ -109,9 +150,11 @@ def run_way(way: str, path: str, args: argparse.Namespace, planes: list[int], sp
         chunks = gpulazy.from_files(path, device="cpu", cache=False).chunks  # the same chunks
         data = da.from_array(np.memmap(path, dtype=np.float32, mode="r", shape=shape), chunks=chunks)
         kwargs = {"name": "dask"}
-    kwargs["contrast_limits"] = (0.0, float(args.planes))  # napari need not read planes to guess them
+    kwargs["contrast_limits"] = (0.0, float(args.planes if args.format == "raw" else 65535))  # no guess
     layer = viewer.add_image(data, **kwargs)
-    out: dict[str, Any] = {"chunk_planes": int(chunks[0][0]), "chunk_bytes": int(chunks[0][0]) * args.size ** 2 * 4}
+    itemsize = 4 if args.format == "raw" else 2
+    out: dict[str, Any] = {"chunks": [int(c[0]) for c in chunks],
+                           "chunk_bytes": int(np.prod([c[0] for c in chunks])) * itemsize}
     for name in ("cold", "cached", "prefetch"):
         if way == "dask" and name == "prefetch":
             continue  # plain dask has no read-ahead: stepping is its cold pass
@@ -185,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=20.0, help="planes per second")
     ap.add_argument("--depth", type=int, default=16, help="planes warmed ahead (prefetch pass)")
     ap.add_argument("--chunk-mib", type=float, default=128.0, help="target chunk size (gpulazy's default 128)")
+    ap.add_argument("--format", choices=("raw", "zarr-zstd"), default="raw",
+                    help="raw float32 + sidecar, or a zstd-1 Zarr v3 uint16 store in --chunks")
+    ap.add_argument("--chunks", default="32,512,512", help="Zarr chunks (z,y,x): a plane spans several")
     ap.add_argument("--device", default=None, help="'cpu' or 'cuda:N' (default: a GPU when usable)")
     ap.add_argument("--cache", default="50%", help="gpulazy cache capacity ('8 GiB', '50%%' of free memory)")
     ap.add_argument("--dir", default=None, help="where the volume is written (default: the temp folder)")
@@ -206,18 +252,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--start/--steps/--jump-to leave no planes to step through")
     folder = args.dir or tempfile.gettempdir()
     t0 = time.perf_counter()
-    path = write_volume(folder, args.planes, args.size)
-    print(f"volume {path}: {args.planes} x {args.size} x {args.size} float32 "
-          f"({os.path.getsize(path) / 2**30:.2f} GiB, ready in {time.perf_counter() - t0:.1f} s); "
+    if args.format == "raw":
+        path = write_volume(folder, args.planes, args.size)
+    else:
+        path = write_zarr(folder, args.planes, args.size, tuple(int(c) for c in args.chunks.split(",")))
+    print(f"volume {path}: {args.planes} x {args.size} x {args.size} {args.format} "
+          f"({_size(path) / 2**30:.2f} GiB, ready in {time.perf_counter() - t0:.1f} s); "
           f"device {args.device}; {len(forward)} steps at {args.rate:g} planes/s, then a jump to {jump}", flush=True)
-    result: dict[str, Any] = {"args": vars(args), "volume_bytes": os.path.getsize(path), "python": sys.version.split()[0]}
+    result: dict[str, Any] = {"args": vars(args), "volume_bytes": _size(path), "python": sys.version.split()[0]}
     try:
         for way in ("gpulazy", "dask"):
             result[way] = run_way(way, path, args, forward + after, len(forward))
     finally:
         if not args.keep:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else None
             for p in (path, path + ".json"):
-                if os.path.exists(p):
+                if os.path.isfile(p):
                     os.remove(p)
     result["targets"] = targets(result)
     print()

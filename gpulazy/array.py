@@ -566,7 +566,7 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
     from gpulazy.memory import retry_on_oom
 
     with dev.activate():
-        out = retry_on_oom(lambda: dev.xp.empty(shape, dtype=dtype, order=order), device=dev,
+        out = retry_on_oom(lambda: dev.alloc(shape, dtype, order), device=dev,
                            nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
     pending: deque = deque()
     temp_limit = max(2 * int(config.get("chunk_size")), 256 << 20)

@@ -341,7 +341,8 @@ class DeviceCache:
             with own_stream(self.device):  # done before they are handed out: valid on any stream
                 for i, entry in enumerate(found):
                     if entry is not None:
-                        out[i] = entry.array.copy(order="K")
+                        out[i] = self._alloc_like(entry.array)
+                        out[i][...] = entry.array
         finally:
             with self._lock:
                 for entry in found:
@@ -349,11 +350,15 @@ class DeviceCache:
                         entry.pins -= 1
         return out
 
-    def get_region(self, spec: ChunkSpec, load: Loader, region: tuple) -> Any:
+    def get_region(self, spec: ChunkSpec, load: Loader, region: tuple, out: Any = None) -> Any:
         """``get(spec, load)[region]`` as the caller's own array, copying only ``region`` on a hit.
 
         For viewers: one plane of a cached chunk is copied out, not the whole chunk
         (``get`` copies all of it). A miss loads and caches the chunk as ``get`` does.
+        ``out``, when given (an array of the region's shape, e.g. a view into a larger
+        region the caller assembles), receives the region and is returned: the one copy
+        a region of several chunks needs. Either way the bytes are in place, on every
+        stream, when this returns (README, "Streams").
         """
         with self._lock:
             entry = self._entries.get(spec.key)
@@ -361,8 +366,21 @@ class DeviceCache:
                 self._count_hit(spec.key, entry, None)
                 entry.pins += 1
         if entry is not None:
-            return self._copy_out(entry.array[region], entry)
-        return self.get(spec, load)[region]
+            if out is None:
+                return self._copy_out(entry.array[region], entry)
+            try:
+                with own_stream(self.device):
+                    out[...] = entry.array[region]
+            finally:
+                with self._lock:
+                    entry.pins -= 1
+            return out
+        chunk = self.get(spec, load)
+        if out is None:
+            return chunk[region]
+        with own_stream(self.device):
+            out[...] = chunk[region]
+        return out
 
     def read_into(self, spec: ChunkSpec, out: Any) -> bool:
         """Copy the cached chunk ``spec`` into ``out`` if it is cached.
@@ -677,10 +695,17 @@ class DeviceCache:
         if first_use:
             self._counts["prefetch_hits"] += 1
 
+    def _alloc_like(self, array: Any) -> Any:
+        """A hand-out array for a copy of ``array`` (the consumer's memory pool: ``Device.alloc``)."""
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        return self.device.alloc(array.shape, array.dtype, order)
+
     def _copy_out(self, array: Any, entry: _Entry | None) -> Any:
         try:
             with own_stream(self.device):  # done before it is handed out: valid on any stream
-                return array.copy(order="K")
+                out = self._alloc_like(array)
+                out[...] = array
+                return out
         finally:
             if entry is not None:
                 with self._lock:
@@ -702,8 +727,7 @@ class DeviceCache:
         job.future.set_result(cached if cached is not None else array)
         if cached is None and waiters:
             # Waiters copy from ``array``: the caller gets its own copy, not ``array``.
-            with own_stream(self.device):
-                return array.copy(order="K")
+            return self._copy_out(array, None)
         return array
 
     def _fail(self, key: str, job: _Job, error: BaseException) -> None:

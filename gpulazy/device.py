@@ -20,7 +20,7 @@ from gpulazy import config
 from gpulazy.errors import DeviceError
 
 __all__ = ["Device", "get_device", "gpu_count", "gpu_unavailable_reason", "no_gpu_reason", "gpulazy_stream",
-           "own_stream"]
+           "own_stream", "consumer_stream", "after_consumer"]
 
 
 @functools.cache
@@ -134,9 +134,30 @@ class Device:
         return nullcontext()
 
     def empty(self, nbytes: int) -> Any:
-        """A 1-D uint8 buffer of ``nbytes`` on this device (uninitialised)."""
+        """A 1-D uint8 buffer of ``nbytes`` on this device (uninitialised), for gpulazy to write into.
+
+        See ``alloc``: the same stream rules.
+        """
+        return self.alloc((nbytes,), np.uint8)
+
+    def alloc(self, shape: Any, dtype: Any, order: str = "C") -> Any:
+        """An uninitialised array that gpulazy fills on its own stream and then hands out.
+
+        On a GPU it is taken from the memory pool of the *consumer's* stream (the stream
+        current outside ``own_stream``), so that when the consumer drops it, the memory is
+        reused only by work ordered on that stream. The block may have been freed while
+        the consumer's kernels still read it, so this thread's ``gpulazy_stream`` is made
+        to wait for an event recorded on the consumer's stream now: gpulazy's writes start
+        after that work. (A backend that copies on another stream waits for
+        ``after_consumer`` itself.)
+        """
+        if not self.is_gpu:
+            return np.empty(shape, dtype=dtype, order=order)
         with self.activate():
-            return self.xp.empty(nbytes, dtype=np.uint8)
+            with consumer_stream(self):
+                arr = self.xp.empty(shape, dtype=dtype, order=order)
+            gpulazy_stream(self).wait_event(after_consumer(self))
+        return arr
 
     def meta(self, ndim: int, dtype: Any) -> Any:
         """An empty array of this device's type, for dask's ``meta``."""
@@ -194,11 +215,52 @@ def own_stream(device: Device) -> Iterator[None]:
     if not device.is_gpu:
         yield
         return
+    import cupy
+
     with device.activate():
         s = gpulazy_stream(device)
-        with s:
-            yield
+        outer = _outer_streams()
+        outer.append(cupy.cuda.get_current_stream())
+        try:
+            with s:
+                yield
+        finally:
+            outer.pop()
         s.synchronize()
+
+
+def _outer_streams() -> list:
+    stack = getattr(_streams, "outer", None)
+    if stack is None:
+        stack = _streams.outer = []
+    return stack
+
+
+def consumer_stream(device: Device) -> Any:
+    """The stream of whoever gpulazy works for in this thread: the current stream outside
+    ``own_stream`` (a context manager; a plain context on ``"cpu"``)."""
+    if not device.is_gpu:
+        return nullcontext()
+    import cupy
+
+    outer = _outer_streams()
+    return outer[0] if outer else cupy.cuda.get_current_stream()
+
+
+def after_consumer(device: Device) -> Any:
+    """A CUDA event recorded now on the consumer's stream (``consumer_stream``).
+
+    A stream of gpulazy's that will write into memory just taken from the consumer's pool
+    waits for it (``stream.wait_event``): the consumer's earlier kernels, which may still
+    read that memory's previous contents, finish first. Costs a few microseconds and
+    never blocks the host.
+    """
+    import cupy
+
+    with device.activate():
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(consumer_stream(device))
+    return event
 
 
 def gpulazy_stream(device: Device) -> Any:

@@ -150,34 +150,38 @@ def _box(array: Any, key: Any) -> tuple | None:
 
 
 def _read_box(array: Any, box: list) -> Any:
-    """The box of ``array``, its chunks read through the cache, copying out only what is inside."""
+    """The box of ``array`` (ints drop their axis), its chunks read through the cache.
+
+    The result is allocated once, in the caller's memory pool, and each chunk's part of the
+    box is copied straight into it on gpulazy's stream (``DeviceCache.get_region(out=)``): one
+    copy per chunk, no per-chunk temporaries, and every byte in place when this returns
+    (README, "Streams").
+    """
     import itertools
+
+    from gpulazy.device import get_device, own_stream
 
     source = array.chunk_source
     cache = source.cache_instance()
+    dev = get_device(source.device)
     edges = [np.cumsum((0,) + tuple(c)) for c in array.chunks]
     spans = [range(b, b + 1) if isinstance(b, int) else b for b in box]
-    blocks = [_blocks(e, s) for e, s in zip(edges, spans)]
-    pieces = []
-    for idx in itertools.product(*blocks):
+    kept = [not isinstance(b, int) for b in box]  # axes the result keeps
+    out = dev.alloc(tuple(len(s) for s, k in zip(spans, kept) if k), array.dtype)
+    for idx in itertools.product(*(_blocks(e, s) for e, s in zip(edges, spans))):
         region = tuple(slice(max(s.start, e[i]) - e[i], min(s.stop, e[i + 1]) - e[i])
                        for s, e, i in zip(spans, edges, idx))
+        at = tuple(slice(e[i] + r.start - s.start, e[i] + r.stop - s.start)
+                   for s, e, i, r, k in zip(spans, edges, idx, region, kept) if k) + (Ellipsis,)  # a view, 0-d too
+        region = tuple(r if k else r.start for r, k in zip(region, kept))
         spec = array.chunk_index.specs[idx]
-        piece = cache.get_region(spec, source.read, region) if cache is not None else source.read(spec)[region]
-        pieces.append((idx, region, piece))
-    if len(pieces) == 1:
-        out = pieces[0][2]
-    else:  # a box across chunks: assembled on the device, then copied out once
-        from gpulazy.device import get_device
-
-        dev = get_device(source.device)
-        with dev.activate():
-            out = dev.xp.empty(tuple(len(s) for s in spans), dtype=array.dtype)
-            for idx, region, piece in pieces:
-                at = tuple(slice(e[i] + r.start - s.start, e[i] + r.stop - s.start)
-                           for s, e, i, r in zip(spans, edges, idx, region))
-                out[at] = piece
-    return out[tuple(0 if isinstance(b, int) else slice(None) for b in box)]
+        if cache is not None:
+            cache.get_region(spec, source.read, region, out=out[at])
+        else:
+            chunk = source.read(spec)
+            with own_stream(dev):
+                out[at] = chunk[region]
+    return out
 
 
 def _blocks(edges: np.ndarray, span: range) -> range:

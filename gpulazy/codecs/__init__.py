@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.codecs._pipeline import check_supported, decode_pieces, gpu_codecs
-from gpulazy.device import Device
+from gpulazy.device import Device, own_stream
 from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec, Tile
 
@@ -55,8 +55,12 @@ def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Devi
     for k, spec in enumerate(specs):
         segments = spec.tile_segments() if spec.tiles else [(_whole(spec), 0, spec.nbytes)]
         groups.setdefault(tuple(spec.codec or ()), []).extend((k, t, a, n) for t, a, n in segments)
-    with device.activate():
-        results = [_allocate(spec, device) if out is None else _prepare(out, spec) for spec, out in zip(specs, outs)]
+    # Decoding, filling and placing run on gpulazy's own stream, never the caller's: a chunk
+    # assembled on the caller's (legacy) stream was copied into the cache on gpulazy's stream
+    # before it was complete (napari showed rows of zeros and other planes' pixels).
+    with own_stream(device):
+        results = [_prepare(device.alloc(spec.shape, spec.out_dtype) if out is None else out, spec)
+                   for spec, out in zip(specs, outs)]
         for codec, members in groups.items():
             expected = [math.prod(t.shape) * np.dtype(specs[k].dtype).itemsize for k, t, _, _ in members]
             pieces = decode_pieces([bufs[k][a:a + n] for k, _, a, n in members], codec, expected, device,
@@ -77,7 +81,7 @@ def _check_size(raw: Any, want: int, tile: Tile, dt: np.dtype) -> None:
 
 
 def _prepare(out: Any, spec: ChunkSpec) -> Any:
-    """A caller's output array, pre-filled where no tile will land."""
+    """An output array, pre-filled where no tile will land."""
     if spec.tiles and not _covered(spec):
         out[...] = spec.fill_value
     return out
@@ -86,13 +90,6 @@ def _prepare(out: Any, spec: ChunkSpec) -> Any:
 def _whole(spec: ChunkSpec) -> Tile:
     first = spec.ranges[0] if spec.ranges else None
     return Tile(first, spec.shape, (0,) * len(spec.shape), spec.order)
-
-
-def _allocate(spec: ChunkSpec, device: Device) -> Any:
-    xp, native = device.xp, spec.out_dtype
-    if not spec.tiles or _covered(spec):
-        return xp.empty(spec.shape, dtype=native)
-    return xp.full(spec.shape, spec.fill_value, dtype=native)
 
 
 def _covered(spec: ChunkSpec) -> bool:

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy import config
-from gpulazy.device import Device, gpu_count, gpu_unavailable_reason
+from gpulazy.device import Device, after_consumer, gpu_count, gpu_unavailable_reason
 from gpulazy.errors import ChunkReadError
 from gpulazy.io._base import Backend, ReadFuture, open_error, short_read_error
 from gpulazy.io._handles import HandleCache
@@ -208,6 +208,9 @@ class _Batch:
         self._left = len(jobs)
         self._host = self._hview = None
         self._offsets = list(itertools.accumulate((n for _, _, n in jobs), initial=0))
+        # The outputs may be memory the consumer's stream still reads (``Device.alloc``):
+        # staged copies wait for it on the device, never on the host.
+        self._after = after_consumer(backend.device) if staged else None
         backend._batches.add(self)
         self._submit()
 
@@ -315,6 +318,7 @@ class _Batch:
         try:
             with self.backend.device.activate():
                 stream = _stream(self.backend.device)
+                stream.wait_event(self._after)
                 _copy_async(out, self._host, self._offsets[j], nbytes, stream)
                 event = cupy.cuda.Event(disable_timing=True)
                 event.record(stream)

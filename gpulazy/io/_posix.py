@@ -248,7 +248,10 @@ class PosixBackend(Backend):
             job.finish()
             return ReadFuture([job.future], lambda values: values[0])
         if self.device.is_gpu:
-            task, args = _bounce_piece, (out, self._pinned_ring())
+            from gpulazy.device import after_consumer
+
+            # ``out`` may be memory the consumer's stream still reads (see ``Device.alloc``).
+            task, args = _bounce_piece, (out, self._pinned_ring(), after_consumer(self.device))
         else:
             task, args = _host_piece, (memoryview(out).cast("B"),)
         for i, p in enumerate(pieces):
@@ -347,7 +350,7 @@ class _PinnedRing:
             return self.streams[self._next]
 
 
-def _bounce_piece(job: _Job, p: _Piece, out: Any, ring: _PinnedRing) -> None:
+def _bounce_piece(job: _Job, p: _Piece, out: Any, ring: _PinnedRing, after: Any) -> None:
     if job.failed:
         job.piece_done()
         return
@@ -358,6 +361,7 @@ def _bounce_piece(job: _Job, p: _Piece, out: Any, ring: _PinnedRing) -> None:
         with ring.device.activate():
             _read_fully(p.fd, slot.host[: p.nbytes], p.offset, p.r)
             stream = ring.stream()
+            stream.wait_event(after)
             cupy.cuda.runtime.memcpyAsync(out.data.ptr + p.dst, slot.mem.ptr, p.nbytes,
                                           cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
             event = cupy.cuda.Event(block=False, disable_timing=True)

@@ -41,12 +41,13 @@ capacity and device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import atexit
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from concurrent.futures import CancelledError, Future
 from typing import Any, Callable, Iterable
@@ -255,7 +256,7 @@ class DeviceCache:
     @property
     def ref(self) -> CacheRef:
         """A picklable value naming this cache; what chunk tasks carry."""
-        return CacheRef(self.name, self._capacity_spec, self.device.name)
+        return CacheRef(self.name, self._capacity_spec, self.device.name, self)
 
     def __reduce__(self):
         # A reference by name: the same object in this process, a cache created once
@@ -806,45 +807,34 @@ class DeviceCache:
     # --- prefetch workers ---------------------------------------------------
 
     def _start_workers(self) -> None:
-        # Lock held. Threads start once, on the first prefetch.
+        # Lock held. Threads start once, on the first prefetch. They hold the cache only
+        # weakly while idle, so a cache nobody references is freed (and its threads end).
         if self._threads:
             return
         n = max(1, min(int(config.get("threads")), _MAX_WORKERS))
+        ref = weakref.ref(self)
         for i in range(n):
-            t = threading.Thread(target=self._work, name=f"gpulazy-cache-{self.name}-{i}", daemon=True)
+            t = threading.Thread(target=_prefetch_worker, args=(ref, self._wake, self.device),
+                                 name=f"gpulazy-cache-{self.name}-{i}", daemon=True)
             self._threads.append(t)
             t.start()
 
-    def _next_prefetch(self) -> tuple[ChunkSpec, Loader, _Job, int] | None:
-        """Wait for a queued prefetch that needs a load and has room; None when closed."""
-        with self._lock:
-            while True:
-                while not self._queue and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    return None
-                key, (spec, load) = self._queue.popitem(last=False)
-                if key in self._entries or key in self._jobs:
-                    continue
-                nbytes = spec.out_nbytes
-                if not self._reserve(nbytes, prefetch=True):
-                    self._counts["prefetch_skipped"] += 1
-                    continue
-                return spec, load, self._start_job(key, prefetch=True), nbytes
-
-    def _work(self) -> None:
-        with self.device.activate():
-            while self._work_one():
-                pass
-
-    def _work_one(self) -> bool:
-        # One prefetch per call, so nothing it loaded outlives the call in this frame
-        # (an idle worker holding an evicted array would hold memory the cache gave up).
-        task = self._next_prefetch()
-        if task is None:
-            return False
-        self._prefetch_one(*task)
-        return True
+    def _take_prefetch(self) -> tuple[ChunkSpec, Loader, _Job, int] | None | bool:
+        """A queued prefetch that needs a load and has room; ``None`` when there is none now,
+        ``False`` when closed. Lock held."""
+        while True:
+            if self._closed:
+                return False
+            if not self._queue:
+                return None
+            key, (spec, load) = self._queue.popitem(last=False)
+            if key in self._entries or key in self._jobs:
+                continue
+            nbytes = spec.out_nbytes
+            if not self._reserve(nbytes, prefetch=True):
+                self._counts["prefetch_skipped"] += 1
+                continue
+            return spec, load, self._start_job(key, prefetch=True), nbytes
 
     def _prefetch_one(self, spec: ChunkSpec, load: Loader, job: _Job, reserved: int) -> None:
         try:
@@ -868,9 +858,33 @@ class DeviceCache:
                 self._counts["prefetched"] += 1
 
 
+def _prefetch_worker(ref: weakref.ref, wake: threading.Condition, device: Device) -> None:
+    """A prefetch thread: loads queued chunks; holds its cache only while it has work."""
+    with device.activate():
+        while True:
+            with wake:
+                while True:
+                    cache = ref()
+                    if cache is None:
+                        return
+                    task = cache._take_prefetch()
+                    if task is False:
+                        return
+                    if task is not None:
+                        break
+                    del cache  # idle: not holding it lets a dropped cache be freed
+                    wake.wait()
+            cache._prefetch_one(*task)
+            del cache, task  # nothing it loaded outlives the task in this frame
+
+
 # --- the registry --------------------------------------------------------------
 
-_registry: dict[str, DeviceCache] = {}
+# Weak: a cache nobody holds (no variable, no array reading through it) is freed. Default
+# caches, and caches made in this process from a reference (a dask.distributed worker's),
+# are also kept in ``_kept``: nothing else holds them between tasks.
+_registry: weakref.WeakValueDictionary[str, DeviceCache] = weakref.WeakValueDictionary()
+_kept: dict[str, DeviceCache] = {}
 _registry_lock = threading.RLock()
 
 
@@ -881,12 +895,21 @@ def _register(cache: DeviceCache) -> None:
             raise ValueError(f"a DeviceCache named {cache.name!r} already exists in this process; "
                              f"use gpulazy.cache.cache_by_name({cache.name!r}) or another name")
         _registry[cache.name] = cache
+    # Wakes its idle prefetch threads once it is collected, so they end too.
+    weakref.finalize(cache, _wake_all, cache._wake)
+
+
+def _wake_all(wake: threading.Condition) -> None:
+    with wake:
+        wake.notify_all()
 
 
 def _unregister(cache: DeviceCache) -> None:
     with _registry_lock:
         if _registry.get(cache.name) is cache:
             del _registry[cache.name]
+        if _kept.get(cache.name) is cache:
+            del _kept[cache.name]
 
 
 def open_caches() -> list[DeviceCache]:
@@ -922,22 +945,36 @@ def cache_by_name(name: str) -> DeviceCache:
 class CacheRef:
     """A cache by name, capacity and device: resolves to the cache of that name in
     this process, creating it there (once) if it is not yet; so a task carrying it
-    runs on any dask.distributed worker, each with its own cache."""
+    runs on any dask.distributed worker, each with its own cache.
+
+    In the process that made it, it also holds the cache itself (not pickled, not part of
+    its value): an array reading through a cache keeps it alive, and a cache dropped with
+    every array over it is freed.
+    """
 
     name: str
     capacity: int | str
     device: str
+    local: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def resolve(self) -> DeviceCache:
+        if self.local is not None and not self.local.closed:
+            return self.local
         return _cache_ref(self.name, self.capacity, self.device)
+
+    def __reduce__(self):
+        return (CacheRef, (self.name, self.capacity, self.device))
+
+    def __dask_tokenize__(self):
+        return ("gpulazy.CacheRef", self.name, self.capacity, self.device)
 
 
 def _cache_ref(name: str, capacity: int | str, device: str) -> DeviceCache:
-    """Unpickle a cache reference: the cache of that name, created here if it is not yet."""
+    """Unpickle a cache reference: the cache of that name, created (and kept) here if it is not yet."""
     with _registry_lock:
         cache = _registry.get(name)
         if cache is None:
-            cache = DeviceCache(capacity, device=device, name=name)
+            cache = _kept[name] = DeviceCache(capacity, device=device, name=name)
         return cache
 
 
@@ -973,7 +1010,8 @@ def default_cache(device: str | Device | None = None) -> DeviceCache | None:
             current.close()
         if spec is False:
             return None
-        return DeviceCache(spec, device=dev, name=name)
+        cache = _kept[name] = DeviceCache(spec, device=dev, name=name)
+        return cache
 
 
 def _close_all() -> None:

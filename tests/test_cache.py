@@ -843,3 +843,46 @@ def test_chunk_source_start_reads_real_bytes_and_checks_the_file(tmp_path, cache
         f.write(b"x")
     with pytest.raises(gpulazy.errors.ChunkReadError, match="changed since"):
         source.start(specs[:1])
+
+
+def test_dropped_caches_are_freed_and_an_array_keeps_its_cache(tmp_path):
+    import gc
+    import weakref
+
+    from gpulazy.cache import open_caches
+
+    refs: list = []
+    for i in range(40):
+        c = DeviceCache("1 MiB", device="cpu")
+        spec = ChunkSpec((ByteRange("x", 0, 4096),), (1024,), "<f4")
+        c.get(spec, lambda s: np.ones(1024, "f4"))
+        if i % 2:  # prefetch threads started: they must not keep it alive
+            done = threading.Event()
+            c.prefetch([ChunkSpec((ByteRange("y", 0, 64),), (16,), "<f4")], lambda s: (done.set(), np.ones(16, "f4"))[1])
+            assert done.wait(10)
+        refs.append(weakref.ref(c))
+        del c
+
+    def all_freed():  # a prefetch thread lets go of its cache right after its last load
+        gc.collect()
+        return all(r() is None for r in refs)
+
+    deadline = time.monotonic() + 10
+    while not all_freed() and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    assert all_freed(), f"{sum(r() is not None for r in refs)} of 40 dropped caches still alive"
+    assert not any(r() in open_caches() for r in refs)
+
+    p = str(tmp_path / "a.npy")
+    np.save(p, np.arange(64, dtype="f4"))
+    vol = gpulazy.from_files(p, device="cpu", cache=DeviceCache("1 MiB", device="cpu"), chunks=16)
+    gc.collect()
+    assert float(vol.sum().compute()) == float(np.arange(64).sum())
+    gc.collect()
+    cache = vol.chunk_source.cache_instance()
+    assert cache.stats()["misses"] == 4 and len(cache) == 4   # the same cache, alive through the array
+    assert float(vol.sum().compute()) == float(np.arange(64).sum()) and cache.stats()["hits"] == 4
+    ref = weakref.ref(cache)
+    del vol, cache
+    gc.collect()
+    assert ref() is None

@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--planes", type=int, default=32)
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--chunks", default="8,128,128")
-    ap.add_argument("--busy-ms", type=float, default=3.0,
+    ap.add_argument("--busy-ms", type=float, default=2.0,
                     help="length of each kernel that keeps the legacy stream busy during the reads (0: none)")
+    ap.add_argument("--host-decode", action="store_true", help="decode on the host (config gpu_decode=False)")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import gpulazy
     from napari_gpulazy._view import HostView
 
+    gpulazy.config.set(gpu_decode=not args.host_decode)
     chunks = tuple(int(c) for c in args.chunks.split(","))
     data = np.random.default_rng(0).integers(0, 4000, (args.planes, args.size, args.size), dtype=np.uint16)
     path = os.path.join(tempfile.mkdtemp(), "race.zarr")
@@ -47,12 +49,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def keep_legacy_busy():  # one short kernel after another on the legacy stream, from another thread
         with cp.cuda.Device(0):
-            event = cp.cuda.Event(disable_timing=True)
+            queued = []
             for _ in range(100_000):
                 if stop.is_set():
-                    return
+                    break
                 spin((1,), (1,), (cycles,), stream=cp.cuda.Stream.null)
+                event = cp.cuda.Event(disable_timing=True)
                 event.record(cp.cuda.Stream.null)
+                queued.append(event)
+                if len(queued) == 2:  # two queued: the stream is never idle, yet never far ahead
+                    queued.pop(0).synchronize()
+            for event in queued:
                 event.synchronize()
 
     busy = threading.Thread(target=keep_legacy_busy, daemon=True)
@@ -68,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 wrong[what].append(k)
     stop.set()
     cache.close()
-    print(f"gpulazy {gpulazy.__file__}: planes wrong on first read {len(wrong['first'])}/{args.planes} "
+    print(f"gpulazy {gpulazy.__file__} {args.size}x{args.size} planes in chunks {chunks}, "
+          f"{'host' if args.host_decode else 'GPU'} decode, legacy stream busy {args.busy_ms} ms: planes wrong on first read {len(wrong['first'])}/{args.planes} "
           f"{wrong['first'][:8]}, on re-read {len(wrong['again'])}/{args.planes} {wrong['again'][:8]}")
     return 1 if wrong["first"] or wrong["again"] else 0
 

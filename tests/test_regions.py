@@ -134,7 +134,7 @@ class _BusyLegacyStream:
     while work on gpulazy's own stream runs at once. A copy that is not ordered after the
     work it reads then reads it unfinished, every time rather than now and then."""
 
-    def __init__(self, cp, spin_ms: float = 3.0):
+    def __init__(self, cp, spin_ms: float = 2.0):
         import threading
 
         self.cp, self.stop, self.kernels = cp, threading.Event(), 0
@@ -143,12 +143,17 @@ class _BusyLegacyStream:
 
         def run():
             with cp.cuda.Device(0):
-                event = cp.cuda.Event(disable_timing=True)
+                queued = []
                 while not self.stop.is_set() and self.kernels < 20_000:  # bounded: ~1 min at most
                     kernel((1,), (1,), (cycles,), stream=cp.cuda.Stream.null)
+                    event = cp.cuda.Event(disable_timing=True)
                     event.record(cp.cuda.Stream.null)
-                    event.synchronize()  # one at a time: the queue never runs far ahead
+                    queued.append(event)
                     self.kernels += 1
+                    if len(queued) == 2:  # two queued: the stream is never idle, yet never far ahead
+                        queued.pop(0).synchronize()
+                for event in queued:
+                    event.synchronize()
 
         self.thread = threading.Thread(target=run, daemon=True)
 
@@ -168,7 +173,7 @@ def _check_planes(cp, view, data, planes, what):
             np.testing.assert_array_equal(np.asarray(view[z]), data[z], err_msg=f"{what}: plane {z}")
 
 
-GRIDS = {"1": (4, 256, 256), "2x2": (4, 128, 128), "4x4": (4, 64, 64)}
+GRIDS = {"1": (4, 512, 512), "2x2": (4, 256, 256), "4x4": (4, 128, 128)}
 
 
 @pytest.mark.gpu
@@ -177,7 +182,7 @@ GRIDS = {"1": (4, 256, 256), "2x2": (4, 128, 128), "4x4": (4, 64, 64)}
 def test_gpu_planes_cold_cached_reread_and_evicted_equal_the_file(tmp_path, codec, grid):
     cp = pytest.importorskip("cupy")
     chunks = GRIDS[grid]
-    data = _volume((16, 256, 256), seed=3)
+    data = _volume((16, 512, 512), seed=3)
     path = _write(tmp_path, data, chunks, codec)
     cache = gpulazy.DeviceCache("64 MiB", device="cuda:0")
     small = gpulazy.DeviceCache(3 * int(np.prod(chunks)) * 2, device="cuda:0")  # three chunks: evicts all along
@@ -192,11 +197,32 @@ def test_gpu_planes_cold_cached_reread_and_evicted_equal_the_file(tmp_path, code
         _check_planes(cp, tight, data, [0, 5, 0, 9, 15, 5], "small cache")
         assert small.bytes_held <= small.capacity
         assert small.stats()["evictions"] > 0 or codec == "tiff"  # a TIFF page can exceed it: read through
-        box = (slice(2, 11), slice(30, 200), 77)  # across chunks on two axes, a column of a plane
+        box = (slice(2, 11), slice(30, 400), 77)  # across chunks on two axes, a column of a plane
         np.testing.assert_array_equal(np.asarray(view[box]), data[box])
     finally:
         cache.close()
         small.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_decode", [False, True], ids=["host-decode", "gpu-decode"])
+def test_gpu_planes_of_large_compressed_chunks_equal_the_file(tmp_path, gpu_decode):
+    """The case napari users met: 2048 x 2048 planes over 4 x 4 zstd chunks of 16 MiB. A chunk
+    decoded on the host was uploaded and placed on the caller's stream, and the cache's copy on
+    gpulazy's stream read it before the upload had landed: on an H100 at 2f3a4d7, 38 of 40
+    planes were wrong with the legacy stream busy and 7 of 40 with it idle
+    (``benchmarks/region_race.py --host-decode --size 2048 --chunks 32,512,512``)."""
+    cp = pytest.importorskip("cupy")
+    data = np.random.default_rng(7).integers(0, 4000, (32, 2048, 2048), dtype=np.uint16)
+    path = _write(tmp_path, data, (32, 512, 512), "zstd")
+    cache = gpulazy.DeviceCache("1 GiB", device="cuda:0")
+    try:
+        with gpulazy.config.set(gpu_decode=gpu_decode):
+            view = _view(path, (32, 512, 512), "cuda:0", cache)
+            _check_planes(cp, view, data, range(0, 32), "first read")
+            _check_planes(cp, view, data, range(0, 32, 3), "from the cache")
+    finally:
+        cache.close()
 
 
 @pytest.mark.gpu
@@ -205,7 +231,7 @@ def test_gpu_regions_equal_the_file_with_chunks_read_by_dask_and_prefetch(tmp_pa
     """Cache entries made by every other reader (dask tasks, prefetch threads) serve regions right."""
     cp = pytest.importorskip("cupy")
     chunks = GRIDS["4x4"]
-    data = _volume((16, 256, 256), seed=4)
+    data = _volume((16, 512, 512), seed=4)
     path = _write(tmp_path, data, chunks, codec)
     cache = gpulazy.DeviceCache("64 MiB", device="cuda:0")
     try:
@@ -231,7 +257,7 @@ def test_gpu_napari_stepping_shows_every_plane_as_the_file(tmp_path, codec):
     import napari_gpulazy
     from napari_gpulazy import read_layers
 
-    data = _volume((32, 256, 256), seed=5)
+    data = _volume((32, 512, 512), seed=5)
     path = _write(tmp_path, data, GRIDS["4x4"], codec)
     cache = gpulazy.DeviceCache("8 MiB", device="cuda:0")  # 4 of 8 chunk layers: prefetch evicts as it goes
     viewer = ViewerModel()

@@ -488,7 +488,7 @@ def test_gpu_batch_with_a_garbled_payload_names_the_piece(codec):
 
 
 def test_gzip_framing_parses_optional_fields():
-    from gpulazy.codecs.nvcomp import _gzip
+    from gpulazy.codecs.nvcomp import _frame
 
     data = b"x" * 1000
     plain = gzip.compress(data, mtime=0)
@@ -496,28 +496,28 @@ def test_gzip_framing_parses_optional_fields():
     with gzip.GzipFile(filename="some_name.raw", fileobj=buf, mode="wb", mtime=0) as f:
         f.write(data)
     named = buf.getvalue()
-    assert _gzip(plain[:64], plain[-8:], len(plain), 1000) == ((10, len(plain) - 8), "")
+    assert _frame("gzip", "gzip", plain[:64], plain[-8:], len(plain), 1000) == ((10, len(plain) - 8), "")
     start = 10 + len(b"some_name.raw") + 1
-    assert _gzip(named[:64], named[-8:], len(named), 1000) == ((start, len(named) - 8), "")
-    span, why = _gzip(plain[:64], plain[-8:], len(plain), 999)
+    assert _frame("gzip", "gzip", named[:64], named[-8:], len(named), 1000) == ((start, len(named) - 8), "")
+    span, why = _frame("gzip", "gzip", plain[:64], plain[-8:], len(plain), 999)
     assert span is None and "1000" in why
 
 
 def test_zstd_and_lz4_framings_check_sizes():
     import numcodecs
 
-    from gpulazy.codecs.nvcomp import _lz4, _zlib, _zstd
+    from gpulazy.codecs.nvcomp import _frame
 
     blob = numcodecs.Zstd(1).encode(b"y" * 5000)
-    assert _zstd(blob[:64], len(blob), 5000)[0] == (0, len(blob))
-    assert _zstd(blob[:64], len(blob), 4999)[0] is None
-    assert _zstd(b"\x00" * 64, 100, 10)[0] is None
+    assert _frame("zstd", "zstd", blob[:64], b"", len(blob), 5000)[0] == (0, len(blob))
+    assert _frame("zstd", "zstd", blob[:64], b"", len(blob), 4999)[0] is None
+    assert _frame("zstd", "zstd", b"\x00" * 64, b"", 100, 10)[0] is None
     lz = numcodecs.LZ4().encode(b"z" * 300)
-    assert _lz4(lz[:64], len(lz), 300) == ((4, len(lz)), "")
-    assert _lz4(lz[:64], len(lz), 301)[0] is None
+    assert _frame("lz4", "lz4-numcodecs", lz[:64], b"", len(lz), 300) == ((4, len(lz)), "")
+    assert _frame("lz4", "lz4-numcodecs", lz[:64], b"", len(lz), 301)[0] is None
     zl = numcodecs.Zlib(1).encode(b"w" * 100)
-    assert _zlib(zl[:64], len(zl)) == ((2, len(zl) - 4), "")
-    assert _zlib(b"\x00\x00" + zl[2:64], len(zl))[0] is None
+    assert _frame("zlib", "zlib", zl[:64], b"", len(zl), 100) == ((2, len(zl) - 4), "")
+    assert _frame("zlib", "zlib", b"\x00\x00" + zl[2:64], b"", len(zl), 100)[0] is None
 
 
 def test_zstd_block_walk_fits_only_whole_frames():

@@ -538,12 +538,31 @@ def test_zstd_block_walk_fits_only_whole_frames():
     assert zstd_blocks_fit(rle, *zstd_header(rle[:64]))
 
 
+@pytest.mark.parametrize("kind", ["ramp", "noise", "zeros", "empty"])
+def test_lz4_walk_fits_only_whole_blocks(kind):
+    # What the GPU walk lets through to nvCOMP: a block whose sequences end exactly at the
+    # piece's end having produced the expected bytes; never one cut short (nvCOMP would read
+    # the next piece) or one followed by more bytes.
+    import numcodecs
+
+    from gpulazy.codecs.nvcomp import lz4_block_fits
+
+    n = 0 if kind == "empty" else 70_000
+    raw = {"ramp": sample((n // 2,), "<u2").tobytes(), "noise": np.random.default_rng(0).bytes(n),
+           "zeros": bytes(n), "empty": b""}[kind]
+    blob = bytes(numcodecs.LZ4().encode(np.frombuffer(raw, "u1")))
+    assert lz4_block_fits(blob, 4, len(raw))
+    assert not lz4_block_fits(blob, 4, len(raw) + 1)
+    for bad in (blob[:-1], blob + b"\0", blob[: len(blob) // 2], blob[:4]):
+        assert not lz4_block_fits(bad, 4, len(raw))
+
+
 def test_gpu_kernels_compile():
     # NVRTC needs no GPU: every kernel source compiles for Hopper here too.
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from gpulazy.codecs import filters, nvcomp
 
-    sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, filters._DELTA_SEQ.format(t="double"),
+    sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, nvcomp._LZ4_WALK, filters._DELTA_SEQ.format(t="double"),
                filters._DELTA_INT.format(ti="short", u="unsigned short", acc="unsigned int"),
                filters._DELTA_INT.format(ti="int", u="unsigned long long", acc="unsigned long long")]
     for src in sources:

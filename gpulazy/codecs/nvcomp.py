@@ -5,32 +5,34 @@ Each format's framing is handled here, on the host, from a few header and traile
 of every piece fetched in one copy: nvCOMP's ``RAW`` bitstreams are the bare
 algorithm, so
 
-- ``zstd``: standard frames decode as they are (the frame header's content size, when
-  present, is checked against the expected size first);
+- ``zstd``: standard frames decode as they are;
 - ``lz4`` (numcodecs): a 4-byte little-endian size prefix, then one LZ4 block;
 - ``zlib``: a 2-byte header and a 4-byte Adler-32 trailer around raw Deflate;
 - ``gzip``: a 10-byte header with optional FEXTRA/FNAME/FCOMMENT/FHCRC fields, raw
-  Deflate, and an 8-byte CRC-32 + size trailer (the size is checked).
+  Deflate, and an 8-byte CRC-32 + size trailer.
 
-A piece whose framing is not the plain form (a zstd dictionary, a preset zlib
-dictionary, a gzip header longer than what was fetched, a size field that disagrees,
-a zstd frame whose block headers do not end exactly at the piece's end) is not sent to
+Before nvCOMP sees a piece, the size its framing declares (zstd content size, lz4
+prefix, gzip ISIZE) must be the expected one: ``gpulazy.codecs._frames``, the same check
+the host decoders make. A piece whose framing is not the plain form (a zstd dictionary,
+a preset zlib dictionary, a gzip header longer than what was fetched), declares another
+size, or whose stream does not end exactly at the piece's end (a zstd frame's block
+headers, an LZ4 block's sequences, walked by one GPU thread per piece) is not sent to
 nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on the host, which
 either decodes it or raises the error that names the file. The same goes for pieces
-nvCOMP decodes to a size other than the expected one, and for a whole batch nvCOMP
-refuses.
+nvCOMP reports decoding to a size other than the expected one, and for a whole batch
+nvCOMP refuses.
 
 What nvCOMP 6.0 does with bad input, probed on an H100 (``benchmarks/bench_codecs.py
 --probe``): Deflate reports the bytes it actually decoded (a garbled stream 0, a
 truncated one fewer), so the size check catches both; LZ4's size pass rejects a garbled
 piece before decoding (the output would not fit); zstd and LZ4 read past a piece's stated
-end (a stream cut in half still decoded in full from the bytes behind it), hence the zstd
-block walk; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
+end (a stream cut in half still decoded in full from the bytes behind it), hence the
+walks; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
 its zstd and Deflate decoders assume valid input). nvCOMP verifies no zstd content
-checksum, Adler-32 or gzip CRC-32. So a payload corrupted *inside* a zstd block, or an LZ4
-stream garbled so that it still adds up to the expected size, is not caught on the GPU
-and can take the process's GPU context down: read files you do not trust with
-``device="cpu"``.
+checksum, Adler-32 or gzip CRC-32. So a payload corrupted *inside* a zstd block (its
+headers intact), or LZ4 literals garbled, is not caught on the GPU and a garbled zstd
+block can take the process's GPU context down: read files you do not trust with
+``device="cpu"`` or ``gpulazy.config.set(gpu_decode=False)``.
 
 >>> from gpulazy.codecs import nvcomp
 >>> isinstance(nvcomp.supported(), frozenset)
@@ -49,7 +51,8 @@ import numpy as np
 from gpulazy.codecs._frames import HEAD, TAIL, ZSTD_MAGIC, FrameError, check_declared, zstd_header
 from gpulazy.spec import Codec
 
-__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit"]
+__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit",
+           "lz4_block_fits"]
 
 #: Codec id -> (nvCOMP algorithm, framing). TIFF's codecs through imagecodecs share framings.
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -146,8 +149,8 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
             spans.append((i, *span))
     if not spans:
         return result
-    if framing == "zstd" and spans:
-        spans = _walk_zstd(pieces, spans, heads, result)
+    if framing in _WALKS:
+        spans = _walk(framing, pieces, spans, heads, sizes, result)
         if not spans:
             return result
     src = [pieces[i][a:b] for i, a, b in spans]
@@ -284,32 +287,77 @@ def zstd_blocks_fit(data: bytes, start: int, trailer: int) -> bool:
     return False
 
 
-def _walk_zstd(pieces: Sequence[Any], spans: list, heads: list[bytes], result: Decoded) -> list:
-    """Spans whose zstd block chain fits the piece exactly (one thread per piece walks it on the GPU).
+def lz4_block_fits(data: bytes, start: int, expected: int) -> bool:
+    """Whether the LZ4 sequences from ``start`` end exactly at ``len(data)`` having produced
+    ``expected`` bytes, every match inside what was produced before it.
 
-    A truncated or overlong frame would make nvCOMP read past the piece; such pieces go to the host.
+    The host twin of the ``_LZ4_WALK`` kernel (the tests check one against the other's rules).
+    """
+    pos, end, out = start, len(data), 0
+    while pos < end:
+        token = data[pos]
+        pos += 1
+        lit, pos, whole = _lz4_length(data, pos, token >> 4)
+        if not whole or lit > end - pos or out + lit > expected:
+            return False
+        pos, out = pos + lit, out + lit
+        if pos == end:  # the last sequence is literals only: the block ends right after them
+            return out == expected
+        if end - pos < 2:
+            return False
+        offset = data[pos] | data[pos + 1] << 8
+        match, pos, whole = _lz4_length(data, pos + 2, token & 15)
+        if not whole or offset == 0 or offset > out or out + match + 4 > expected:
+            return False
+        out += match + 4
+    return False
+
+
+def _lz4_length(data: bytes, pos: int, n: int) -> tuple[int, int, bool]:
+    # A 4-bit length of 15 goes on in bytes of 255 until one that is not.
+    if n != 15:
+        return n, pos, True
+    while pos < len(data):
+        b = data[pos]
+        pos, n = pos + 1, n + b
+        if b != 255:
+            return n, pos, True
+    return n, pos, False
+
+
+def _walk(framing: str, pieces: Sequence[Any], spans: list, heads: list[bytes], sizes: Sequence[int],
+          result: Decoded) -> list:
+    """Spans whose stream provably ends at the end of its piece (one GPU thread per piece walks it).
+
+    nvCOMP's zstd and LZ4 decoders read past a stream that is cut short (into the next
+    piece of the read buffer): a zstd frame's block headers must chain to the piece's end
+    (less its checksum), an LZ4 block's sequences must end there having produced the
+    expected size. Pieces that do not go to the host, which names the file.
     """
     import cupy
 
     from gpulazy.codecs import filters
 
-    layout = [zstd_header(heads[i]) for i, _, _ in spans]
+    name, source, why = _WALKS[framing]
+    if framing == "zstd":
+        layout = [zstd_header(heads[i]) for i, _, _ in spans]  # (first block, checksum bytes)
+    else:
+        layout = [(a, int(sizes[i])) for i, a, _ in spans]  # (first sequence, decoded size)
     src = [pieces[i] for i, _, _ in spans]
-    k = filters.kernel("zstd_walk", _ZSTD_WALK)
+    k = filters.kernel(name, source)
     n = len(src)
-    sizes = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
+    lengths = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
     starts = cupy.asarray(np.array([a for a, _ in layout], dtype=np.int64))
-    trailers = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
+    limits = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
     ok = cupy.zeros(n, dtype=np.int32)
-    k((-(-n // 64),), (64,), (filters.pointer_table(src), sizes, starts, trailers, ok, np.int64(n)))
-    fits = ok.get()
+    k((-(-n // 64),), (64,), (filters.pointer_table(src), lengths, starts, limits, ok, np.int64(n)))
     keep = []
-    for (i, a, b), good in zip(spans, fits):
+    for (i, a, b), good in zip(spans, ok.get()):
         if good:
             keep.append((i, a, b))
         else:
             result.host.append(i)
-            result.why[i] = "zstd block headers do not end at the end of the piece (truncated or corrupt)"
+            result.why[i] = why
     return keep
 
 
@@ -334,6 +382,52 @@ extern "C" __global__ void gl_zstd_walk(const unsigned long long* src, const lon
     ok[p] = good;
 }
 """
+
+# One thread per piece, the rules of ``lz4_block_fits``.
+_LZ4_WALK = r"""
+__device__ bool gl_lz4_len(const unsigned char* s, long long* pos, long long end, long long* n) {
+    if (*n != 15) return true;
+    while (*pos < end) {
+        unsigned int b = s[(*pos)++];
+        *n += b;
+        if (b != 255u) return true;
+    }
+    return false;
+}
+
+extern "C" __global__ void gl_lz4_walk(const unsigned long long* src, const long long* n,
+                                       const long long* start, const long long* expected, int* ok,
+                                       long long count) {
+    long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (p >= count) return;
+    const unsigned char* s = (const unsigned char*)src[p];
+    long long end = n[p], pos = start[p], want = expected[p], out = 0;
+    int good = 0;
+    while (pos < end) {
+        unsigned int token = s[pos++];
+        long long lit = token >> 4;
+        if (!gl_lz4_len(s, &pos, end, &lit) || lit > end - pos || out + lit > want) break;
+        pos += lit;
+        out += lit;
+        if (pos == end) { good = (out == want); break; }
+        if (end - pos < 2) break;
+        long long offset = s[pos] | (s[pos + 1] << 8);
+        pos += 2;
+        long long match = token & 15u;
+        if (!gl_lz4_len(s, &pos, end, &match) || offset == 0 || offset > out || out + match + 4 > want) break;
+        out += match + 4;
+    }
+    ok[p] = good;
+}
+"""
+
+#: framing -> (kernel name, source, why a piece that fails the walk goes to the host)
+_WALKS = {
+    "zstd": ("zstd_walk", _ZSTD_WALK, "zstd block headers do not end at the end of the piece (truncated or "
+             "corrupt)"),
+    "lz4-numcodecs": ("lz4_walk", _LZ4_WALK, "lz4 sequences do not end at the end of the piece with the "
+                      "expected size (truncated or corrupt)"),
+}
 
 
 def _lz4(head: bytes, size: int) -> tuple[Any, str]:

@@ -5,6 +5,12 @@ piece's bytes back to back; ``assemble`` decodes every piece through the spec's 
 pipeline, byte-swaps to native order, and places it in the chunk (elements no piece
 covers get the spec's ``fill_value``).
 
+Every piece must decode to exactly the bytes its tile needs, on the host and the GPU
+alike: a short or long one, or one whose own header declares another size (or, for
+blosc, another length than the piece's), raises ``ChunkDecodeError`` naming the file,
+offset and both sizes (``gpulazy.codecs._frames`` holds what each codec's framing
+declares). Each codec sees exactly its piece's bytes, never the next piece's.
+
 Decoding runs where the chunk lives. On ``"cpu"`` every codec decodes with numcodecs
 (imagecodecs for TIFF's own). On a GPU, codecs nvCOMP can decode run there in batches
 (``gpulazy.codecs.nvcomp``), filters run as CuPy kernels; the rest decode on the host

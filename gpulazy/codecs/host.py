@@ -1,7 +1,9 @@
 """Host decoding: numcodecs for Zarr/HDF5 codecs, imagecodecs for TIFF's, plus a few of our own.
 
 Used for every codec on ``"cpu"``, and on a GPU for what nvCOMP cannot decode. A codec
-is built once per distinct ``Codec`` value (they are hashable).
+is built once per distinct ``Codec`` value (they are hashable). Before a C decoder runs,
+the size its piece's framing declares is checked (``gpulazy.codecs._frames``); after it,
+what it decoded: a step never hands on more or fewer bytes than the chunk needs.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 from conftest import to_host
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_codecs import encode, read, sample, tiled_spec
+from test_codecs import encode, read, sample, tiled_spec, write_blobs
 
 import gpulazy
 from gpulazy.codecs import decode_pieces
@@ -246,14 +246,14 @@ def test_any_tiling_with_one_damaged_piece_raises_for_it(tmp_path_factory, rows,
     spec = tiled_spec(path, data, (tile_rows, 24), codec)
     k = victim % len(spec.tiles)
     want = tile_rows * 24 * 2
-    blobs = [open(path, "rb").read()[t.range.offset:t.range.offset + t.range.nbytes] for t in spec.tiles]
+    with open(path, "rb") as f:
+        stored = f.read()
+    blobs = [stored[t.range.offset:t.range.offset + t.range.nbytes] for t in spec.tiles]
     if damage == "cut":
         blobs[k] = blobs[k][: len(blobs[k]) // 2]
     else:
-        n = want // 2 if damage == "short" else want + 48
-        blobs[k] = encode(np.frombuffer(np.resize(data.reshape(-1), n // 2).astype("<u2").tobytes(), "u1"), codec)
-    from test_codecs import write_blobs
-
+        values = np.resize(data.reshape(-1), want // 4 if damage == "short" else want // 2 + 24)
+        blobs[k] = encode(values.astype("<u2"), codec)
     ranges = write_blobs(path, blobs)
     tiles = tuple(Tile(r, t.shape, t.origin) for r, t in zip(ranges, spec.tiles))
     bad = ChunkSpec(tuple(ranges), spec.shape, spec.dtype, codec=codec, tiles=tiles)

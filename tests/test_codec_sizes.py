@@ -302,6 +302,17 @@ def test_declared_size_is_what_numcodecs_decodes_to(name):
     assert e.value.got == len(raw)
 
 
+def test_hdf5_lz4_header_declares_its_size():
+    imagecodecs = pytest.importorskip("imagecodecs")
+    raw = sample((50, 30), "<u2").tobytes()
+    blob = imagecodecs.lz4h5_encode(raw)
+    assert declared_size("imagecodecs_lz4h5", blob[:64], blob[-8:], len(blob)) == len(raw)
+    with pytest.raises(FrameError, match="says it decodes to 3000 bytes"):
+        check_declared("imagecodecs_lz4h5", blob[:64], blob[-8:], len(blob), 2 * len(raw))
+    with pytest.raises(FrameError, match="12-byte header"):
+        declared_size("imagecodecs_lz4h5", blob[:5], blob[-5:], 5)
+
+
 def test_blosc_header_must_give_the_piece_its_own_length():
     blob = bytes(numcodecs.Blosc("lz4").encode(np.arange(500, dtype="<u2")))
     for piece in (blob[:8], blob[: len(blob) // 2], blob + b"\0"):

@@ -12,7 +12,8 @@ here against the piece before it decodes:
 - ``lz4`` (numcodecs): the 4-byte little-endian prefix is the decoded size;
 - ``blosc``: the 16-byte header's ``nbytes`` is the decoded size, and its ``cbytes``
   must be the piece's length (c-blosc would otherwise read the bytes that follow);
-- ``gzip``: the trailer's ISIZE is the decoded size modulo 2**32.
+- ``gzip``: the trailer's ISIZE is the decoded size modulo 2**32;
+- HDF5's ``lz4`` filter (``imagecodecs_lz4h5``): an 8-byte big-endian decoded size.
 
 A declared size other than the expected one raises ``FrameError`` before any decoder
 runs (a short chunk would leave bytes unwritten; a long one overruns or allocates what
@@ -109,6 +110,13 @@ def _gzip(head: bytes, tail: bytes, size: int) -> int | None:
     return int.from_bytes(tail[-4:], "little")
 
 
+def _lz4h5(head: bytes, tail: bytes, size: int) -> int:
+    # HDF5's lz4 filter: decoded size (8 bytes) and block size (4 bytes), big-endian, then blocks.
+    if size < 12:
+        raise FrameError(f"an HDF5 lz4 piece of {size} bytes cannot hold its 12-byte header")
+    return int.from_bytes(head[:8], "big")
+
+
 #: codec id -> (the decoded size its framing declares, modulus the field wraps at or None)
 _DECLARED: dict[str, tuple[Callable[[bytes, bytes, int], int | None], int | None]] = {
     "zstd": (_zstd, None),
@@ -116,6 +124,7 @@ _DECLARED: dict[str, tuple[Callable[[bytes, bytes, int], int | None], int | None
     "lz4": (_lz4, None),
     "blosc": (_blosc, None),
     "gzip": (_gzip, 1 << 32),
+    "imagecodecs_lz4h5": (_lz4h5, None),
 }
 
 

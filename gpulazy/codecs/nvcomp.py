@@ -363,28 +363,35 @@ def _walk(framing: str, pieces: Sequence[Any], spans: list, heads: list[bytes], 
 
 _ZSTD_MAX_BLOCK = 128 * 1024
 
-_ZSTD_WALK = r"""
-extern "C" __global__ void gl_zstd_walk(const unsigned long long* src, const long long* n,
-                                        const long long* start, const long long* trailer, int* ok,
-                                        long long count) {
+def _walk_kernel(name: str, helpers: str, body: str) -> str:
+    """The source of a walk kernel: one thread per piece sets ``ok[p]`` from ``body``, which
+    walks ``s[start[p]:n[p]]`` (``limit[p]``: what the end must match) and sets ``good``."""
+    return helpers + f"""
+extern "C" __global__ void gl_{name}(const unsigned long long* src, const long long* n,
+                                     const long long* start, const long long* limit, int* ok, long long count) {{
     long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (p >= count) return;
     const unsigned char* s = (const unsigned char*)src[p];
     long long end = n[p], pos = start[p];
     int good = 0;
+{body}
+    ok[p] = good;
+}}
+"""
+
+
+# The rules of ``zstd_blocks_fit``; ``limit``: the frame's checksum bytes after the last block.
+_ZSTD_WALK = _walk_kernel("zstd_walk", "", r"""
     while (pos + 3 <= end) {
         unsigned int h = s[pos] | (s[pos + 1] << 8) | (s[pos + 2] << 16);
         unsigned int last = h & 1u, kind = (h >> 1) & 3u, size = h >> 3;
         if (kind == 3u || size > 131072u) break;
         pos += 3 + (kind == 1u ? 1 : (long long)size);
-        if (last) { good = (pos + trailer[p] == end); break; }
-    }
-    ok[p] = good;
-}
-"""
+        if (last) { good = (pos + limit[p] == end); break; }
+    }""")
 
-# One thread per piece, the rules of ``lz4_block_fits``.
-_LZ4_WALK = r"""
+# The rules of ``lz4_block_fits``; ``limit``: the decoded size the block must produce.
+_LZ4_WALK = _walk_kernel("lz4_walk", r"""
 __device__ bool gl_lz4_len(const unsigned char* s, long long* pos, long long end, long long* n) {
     if (*n != 15) return true;
     while (*pos < end) {
@@ -394,15 +401,8 @@ __device__ bool gl_lz4_len(const unsigned char* s, long long* pos, long long end
     }
     return false;
 }
-
-extern "C" __global__ void gl_lz4_walk(const unsigned long long* src, const long long* n,
-                                       const long long* start, const long long* expected, int* ok,
-                                       long long count) {
-    long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (p >= count) return;
-    const unsigned char* s = (const unsigned char*)src[p];
-    long long end = n[p], pos = start[p], want = expected[p], out = 0;
-    int good = 0;
+""", r"""
+    long long want = limit[p], out = 0;
     while (pos < end) {
         unsigned int token = s[pos++];
         long long lit = token >> 4;
@@ -416,10 +416,7 @@ extern "C" __global__ void gl_lz4_walk(const unsigned long long* src, const long
         long long match = token & 15u;
         if (!gl_lz4_len(s, &pos, end, &match) || offset == 0 || offset > out || out + match + 4 > want) break;
         out += match + 4;
-    }
-    ok[p] = good;
-}
-"""
+    }""")
 
 #: framing -> (kernel name, source, why a piece that fails the walk goes to the host)
 _WALKS = {

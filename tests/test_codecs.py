@@ -557,6 +557,54 @@ def test_lz4_walk_fits_only_whole_blocks(kind):
         assert not lz4_block_fits(bad, 4, len(raw))
 
 
+def test_walk_kernels_agree_with_their_host_twins(tmp_path):
+    # The walk kernels decide what nvCOMP may see; without a GPU their C runs here as host
+    # code (one "thread" per call), against the Python twins on whole, cut, extended and
+    # garbled LZ4 blocks and zstd frames.
+    import ctypes
+    import shutil
+    import subprocess
+
+    import numcodecs
+
+    from gpulazy.codecs import nvcomp
+    from gpulazy.codecs._frames import zstd_header
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    shim = ("struct D3 { long long x; };\nstatic D3 blockIdx = {0}, blockDim = {1}, threadIdx = {0};\n"
+            "#define __global__\n#define __device__ static\n")
+    libs = {}
+    for name in ("zstd_walk", "lz4_walk"):
+        src, so = tmp_path / f"{name}.cpp", tmp_path / f"{name}.so"
+        src.write_text(shim + getattr(nvcomp, f"_{name.split('_')[0].upper()}_WALK"))
+        subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+        libs[name] = getattr(ctypes.CDLL(str(so)), f"gl_{name}")
+
+    def kernel(name, data, start, limit):
+        buf = ctypes.create_string_buffer(bytes(data), max(1, len(data)))
+        arg = [(ctypes.c_longlong * 1)(v) for v in (len(data), start, limit)]
+        ok = (ctypes.c_int * 1)(0)
+        libs[name]((ctypes.c_ulonglong * 1)(ctypes.addressof(buf)), *arg, ok, ctypes.c_longlong(1))
+        return bool(ok[0])
+
+    rng = np.random.default_rng(0)
+    for raw in (b"", bytes(70_000), rng.bytes(5000), sample((40_000,), "<u2").tobytes()):
+        lz = bytes(numcodecs.LZ4().encode(np.frombuffer(raw, "u1")))
+        garbled = bytearray(lz)
+        garbled[len(lz) // 2] ^= 0x5A
+        for v in (lz, lz[:-1], lz + b"\0", lz[: len(lz) // 2], bytes(garbled)):
+            for want in (len(raw), len(raw) + 1):
+                assert kernel("lz4_walk", v, 4, want) == nvcomp.lz4_block_fits(v, 4, want)
+        assert kernel("lz4_walk", lz, 4, len(raw))
+        zs = bytes(numcodecs.Zstd(level=1).encode(np.frombuffer(raw, "u1")))
+        for v in (zs, zs[:-1], zs + b"\0", zs[: max(6, len(zs) // 2)]):  # a whole header: _zstd checks that
+            start, trailer = zstd_header(v[:64])
+            assert kernel("zstd_walk", v, start, trailer) == nvcomp.zstd_blocks_fit(v, start, trailer)
+        assert kernel("zstd_walk", zs, *zstd_header(zs[:64]))
+
+
 def test_gpu_kernels_compile():
     # NVRTC needs no GPU: every kernel source compiles for Hopper here too.
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")

@@ -488,7 +488,7 @@ def test_gpu_batch_with_a_garbled_payload_names_the_piece(codec):
 
 
 def test_gzip_framing_parses_optional_fields():
-    from gpulazy.codecs.nvcomp import _gzip
+    from gpulazy.codecs.nvcomp import _frame
 
     data = b"x" * 1000
     plain = gzip.compress(data, mtime=0)
@@ -496,28 +496,28 @@ def test_gzip_framing_parses_optional_fields():
     with gzip.GzipFile(filename="some_name.raw", fileobj=buf, mode="wb", mtime=0) as f:
         f.write(data)
     named = buf.getvalue()
-    assert _gzip(plain[:64], plain[-8:], len(plain), 1000) == ((10, len(plain) - 8), "")
+    assert _frame("gzip", "gzip", plain[:64], plain[-8:], len(plain), 1000) == ((10, len(plain) - 8), "")
     start = 10 + len(b"some_name.raw") + 1
-    assert _gzip(named[:64], named[-8:], len(named), 1000) == ((start, len(named) - 8), "")
-    span, why = _gzip(plain[:64], plain[-8:], len(plain), 999)
+    assert _frame("gzip", "gzip", named[:64], named[-8:], len(named), 1000) == ((start, len(named) - 8), "")
+    span, why = _frame("gzip", "gzip", plain[:64], plain[-8:], len(plain), 999)
     assert span is None and "1000" in why
 
 
 def test_zstd_and_lz4_framings_check_sizes():
     import numcodecs
 
-    from gpulazy.codecs.nvcomp import _lz4, _zlib, _zstd
+    from gpulazy.codecs.nvcomp import _frame
 
     blob = numcodecs.Zstd(1).encode(b"y" * 5000)
-    assert _zstd(blob[:64], len(blob), 5000)[0] == (0, len(blob))
-    assert _zstd(blob[:64], len(blob), 4999)[0] is None
-    assert _zstd(b"\x00" * 64, 100, 10)[0] is None
+    assert _frame("zstd", "zstd", blob[:64], b"", len(blob), 5000)[0] == (0, len(blob))
+    assert _frame("zstd", "zstd", blob[:64], b"", len(blob), 4999)[0] is None
+    assert _frame("zstd", "zstd", b"\x00" * 64, b"", 100, 10)[0] is None
     lz = numcodecs.LZ4().encode(b"z" * 300)
-    assert _lz4(lz[:64], len(lz), 300) == ((4, len(lz)), "")
-    assert _lz4(lz[:64], len(lz), 301)[0] is None
+    assert _frame("lz4", "lz4-numcodecs", lz[:64], b"", len(lz), 300) == ((4, len(lz)), "")
+    assert _frame("lz4", "lz4-numcodecs", lz[:64], b"", len(lz), 301)[0] is None
     zl = numcodecs.Zlib(1).encode(b"w" * 100)
-    assert _zlib(zl[:64], len(zl)) == ((2, len(zl) - 4), "")
-    assert _zlib(b"\x00\x00" + zl[2:64], len(zl))[0] is None
+    assert _frame("zlib", "zlib", zl[:64], b"", len(zl), 100) == ((2, len(zl) - 4), "")
+    assert _frame("zlib", "zlib", b"\x00\x00" + zl[2:64], b"", len(zl), 100)[0] is None
 
 
 def test_zstd_block_walk_fits_only_whole_frames():
@@ -538,12 +538,79 @@ def test_zstd_block_walk_fits_only_whole_frames():
     assert zstd_blocks_fit(rle, *zstd_header(rle[:64]))
 
 
+@pytest.mark.parametrize("kind", ["ramp", "noise", "zeros", "empty"])
+def test_lz4_walk_fits_only_whole_blocks(kind):
+    # What the GPU walk lets through to nvCOMP: a block whose sequences end exactly at the
+    # piece's end having produced the expected bytes; never one cut short (nvCOMP would read
+    # the next piece) or one followed by more bytes.
+    import numcodecs
+
+    from gpulazy.codecs.nvcomp import lz4_block_fits
+
+    n = 0 if kind == "empty" else 70_000
+    raw = {"ramp": sample((n // 2,), "<u2").tobytes(), "noise": np.random.default_rng(0).bytes(n),
+           "zeros": bytes(n), "empty": b""}[kind]
+    blob = bytes(numcodecs.LZ4().encode(np.frombuffer(raw, "u1")))
+    assert lz4_block_fits(blob, 4, len(raw))
+    assert not lz4_block_fits(blob, 4, len(raw) + 1)
+    for bad in (blob[:-1], blob + b"\0", blob[: len(blob) // 2], blob[:4]):
+        assert not lz4_block_fits(bad, 4, len(raw))
+
+
+def test_walk_kernels_agree_with_their_host_twins(tmp_path):
+    # The walk kernels decide what nvCOMP may see; without a GPU their C runs here as host
+    # code (one "thread" per call), against the Python twins on whole, cut, extended and
+    # garbled LZ4 blocks and zstd frames.
+    import ctypes
+    import shutil
+    import subprocess
+
+    import numcodecs
+
+    from gpulazy.codecs import nvcomp
+    from gpulazy.codecs._frames import zstd_header
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    shim = ("struct D3 { long long x; };\nstatic D3 blockIdx = {0}, blockDim = {1}, threadIdx = {0};\n"
+            "#define __global__\n#define __device__ static\n")
+    libs = {}
+    for name in ("zstd_walk", "lz4_walk"):
+        src, so = tmp_path / f"{name}.cpp", tmp_path / f"{name}.so"
+        src.write_text(shim + getattr(nvcomp, f"_{name.split('_')[0].upper()}_WALK"))
+        subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+        libs[name] = getattr(ctypes.CDLL(str(so)), f"gl_{name}")
+
+    def kernel(name, data, start, limit):
+        buf = ctypes.create_string_buffer(bytes(data), max(1, len(data)))
+        arg = [(ctypes.c_longlong * 1)(v) for v in (len(data), start, limit)]
+        ok = (ctypes.c_int * 1)(0)
+        libs[name]((ctypes.c_ulonglong * 1)(ctypes.addressof(buf)), *arg, ok, ctypes.c_longlong(1))
+        return bool(ok[0])
+
+    rng = np.random.default_rng(0)
+    for raw in (b"", bytes(70_000), rng.bytes(5000), sample((40_000,), "<u2").tobytes()):
+        lz = bytes(numcodecs.LZ4().encode(np.frombuffer(raw, "u1")))
+        garbled = bytearray(lz)
+        garbled[len(lz) // 2] ^= 0x5A
+        for v in (lz, lz[:-1], lz + b"\0", lz[: len(lz) // 2], bytes(garbled)):
+            for want in (len(raw), len(raw) + 1):
+                assert kernel("lz4_walk", v, 4, want) == nvcomp.lz4_block_fits(v, 4, want)
+        assert kernel("lz4_walk", lz, 4, len(raw))
+        zs = bytes(numcodecs.Zstd(level=1).encode(np.frombuffer(raw, "u1")))
+        for v in (zs, zs[:-1], zs + b"\0", zs[: max(6, len(zs) // 2)]):  # a whole header: _zstd checks that
+            start, trailer = zstd_header(v[:64])
+            assert kernel("zstd_walk", v, start, trailer) == nvcomp.zstd_blocks_fit(v, start, trailer)
+        assert kernel("zstd_walk", zs, *zstd_header(zs[:64]))
+
+
 def test_gpu_kernels_compile():
     # NVRTC needs no GPU: every kernel source compiles for Hopper here too.
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from gpulazy.codecs import filters, nvcomp
 
-    sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, filters._DELTA_SEQ.format(t="double"),
+    sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, nvcomp._LZ4_WALK, filters._DELTA_SEQ.format(t="double"),
                filters._DELTA_INT.format(ti="short", u="unsigned short", acc="unsigned int"),
                filters._DELTA_INT.format(ti="int", u="unsigned long long", acc="unsigned long long")]
     for src in sources:

@@ -5,6 +5,12 @@ piece's bytes back to back; ``assemble`` decodes every piece through the spec's 
 pipeline, byte-swaps to native order, and places it in the chunk (elements no piece
 covers get the spec's ``fill_value``).
 
+Every piece must decode to exactly the bytes its tile needs, on the host and the GPU
+alike: a short or long one, or one whose own header declares another size (or, for
+blosc, another length than the piece's), raises ``ChunkDecodeError`` naming the file,
+offset and both sizes (``gpulazy.codecs._frames`` holds what each codec's framing
+declares). Each codec sees exactly its piece's bytes, never the next piece's.
+
 Decoding runs where the chunk lives. On ``"cpu"`` every codec decodes with numcodecs
 (imagecodecs for TIFF's own). On a GPU, codecs nvCOMP can decode run there in batches
 (``gpulazy.codecs.nvcomp``), filters run as CuPy kernels; the rest decode on the host
@@ -31,7 +37,6 @@ import numpy as np
 
 from gpulazy.codecs._pipeline import check_supported, decode_pieces, gpu_codecs
 from gpulazy.device import Device, own_stream
-from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec, Tile
 
 __all__ = ["assemble", "assemble_batch", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
@@ -65,19 +70,9 @@ def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Devi
             expected = [math.prod(t.shape) * np.dtype(specs[k].dtype).itemsize for k, t, _, _ in members]
             pieces = decode_pieces([bufs[k][a:a + n] for k, _, a, n in members], codec, expected, device,
                                    where=[t.range for _, t, _, _ in members])
-            for (k, tile, _, _), raw, want in zip(members, pieces, expected):
-                _check_size(raw, want, tile, np.dtype(specs[k].dtype))
+            for (k, tile, _, _), raw in zip(members, pieces):  # each exactly its tile's bytes
                 _place(results[k], _typed(raw, np.dtype(specs[k].dtype), tile, device), tile)
     return results
-
-
-def _check_size(raw: Any, want: int, tile: Tile, dt: np.dtype) -> None:
-    if raw.size != want:
-        r = tile.range
-        raise ChunkDecodeError(
-            f"stored chunk of {r.path!r} at offset {r.offset} ({r.nbytes} bytes) decoded to {raw.size} "
-            f"bytes, expected {want} (shape {tile.shape} of {dt.str!r}); the file is corrupt or its "
-            "metadata does not describe it", path=r.path, offset=r.offset, expected=want, got=raw.size)
 
 
 def _prepare(out: Any, spec: ChunkSpec) -> Any:

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.codecs import host
+from gpulazy.codecs._frames import FrameError
 from gpulazy.device import Device
 from gpulazy.errors import ChunkDecodeError, LayoutError, PerformanceWarning
 from gpulazy.spec import ByteRange, Codec
@@ -36,18 +37,25 @@ def decode_pieces(pieces: Sequence[Any], codec: Sequence[Codec], expected: Seque
                   where: Sequence[ByteRange | None] = ()) -> list[Any]:
     """Each stored piece decoded through ``codec`` (1-D uint8 arrays on ``device``).
 
-    ``expected`` is each piece's decoded size in bytes (a hint for codecs that need it).
-    A piece that fails to decode raises ``ChunkDecodeError`` naming its file and offset.
+    ``expected`` is each piece's decoded size in bytes: every piece must decode to exactly
+    that many, on the host and on the GPU alike, or ``ChunkDecodeError`` names its file,
+    offset and both sizes (a short piece would otherwise leave bytes unwritten, a long one
+    belongs to another layout). A piece that fails to decode raises the same error.
     """
+    where = _pad(where, len(pieces))
     if not codec:
-        return list(pieces)
-    if device.is_gpu:
+        out = list(pieces)
+    elif device.is_gpu:
         from gpulazy.codecs import gpu
 
-        return gpu.decode_pieces(pieces, tuple(codec), expected, device, where=where)
-    started = time.perf_counter()
-    out = [_host_one(p, codec, n, w) for p, n, w in zip(pieces, expected, _pad(where, len(pieces)))]
-    _record(sum(expected), started, codec, "host", device)
+        out = gpu.decode_pieces(pieces, tuple(codec), expected, device, where=where)
+    else:
+        started = time.perf_counter()
+        out = [_host_one(p, codec, n, w) for p, n, w in zip(pieces, expected, where)]
+        _record(sum(expected), started, codec, "host", device)
+    for raw, want, w in zip(out, expected, where):
+        if int(raw.size) != int(want):
+            raise size_error(w, codec, int(want), int(raw.size), f"it decoded to {int(raw.size)} bytes")
     return out
 
 
@@ -61,12 +69,31 @@ def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int | None, w
         return host.decode(piece, codec, expected)
     except ChunkDecodeError:
         raise
+    except FrameError as e:
+        raise size_error(where, codec, expected, e.got, str(e)) from e
     except Exception as e:
         raise decode_error(where, codec, e) from e
 
 
+def _names(codec: Sequence[Codec]) -> str:
+    return "+".join(c.id for c in codec) or "uncompressed"
+
+
+def size_error(where: ByteRange | None, codec: Sequence[Codec], expected: int | None, got: int | None,
+               why: str) -> ChunkDecodeError:
+    """The error for a piece whose framing or decoded size is not what its chunk needs."""
+    want = "" if expected is None else f", expected {expected}"
+    if where is None:
+        return ChunkDecodeError(f"a {_names(codec)} chunk: {why}{want}; the data is corrupt", expected=expected,
+                                got=got)
+    return ChunkDecodeError(
+        f"the {_names(codec)} chunk of {where.path!r} at offset {where.offset} ({where.nbytes} stored bytes): "
+        f"{why}{want}; the file is corrupt or its metadata does not describe it",
+        path=where.path, offset=where.offset, expected=expected, got=got)
+
+
 def decode_error(where: ByteRange | None, codec: Sequence[Codec], e: BaseException) -> ChunkDecodeError:
-    names = "+".join(c.id for c in codec)
+    names = _names(codec)
     if where is None:
         return ChunkDecodeError(f"cannot decode a {names} chunk: {type(e).__name__}: {e}")
     return ChunkDecodeError(

@@ -22,15 +22,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gpulazy.codecs._frames import step_sizes
 from gpulazy.device import Device
 from gpulazy.spec import ByteRange, Codec
 
 __all__ = ["decode_pieces", "runs_on_gpu", "step_sizes"]
-
-#: Steps whose output has as many bytes as their input.
-_SIZE_PRESERVING = frozenset({"shuffle", "tiff_predictor", "predictor", "bitshuffle"})
-#: Checksums appended to the stored bytes: the step strips this many.
-_TRAILERS = {"crc32c": 4, "fletcher32": 4, "adler32": 4, "crc32": 4, "jenkins_lookup3": 4}
 
 
 def runs_on_gpu(c: Codec) -> bool:
@@ -39,32 +35,6 @@ def runs_on_gpu(c: Codec) -> bool:
     from gpulazy.codecs import filters, nvcomp
 
     return bool(config.get("gpu_decode")) and (nvcomp.handles(c) or filters.handles(c))
-
-
-def step_sizes(codec: Sequence[Codec], expected: Sequence[int]) -> list[list[int] | None]:
-    """Each step's output size per piece, worked back from the final ``expected`` sizes
-    (``None`` where a later step's input size cannot be known, e.g. behind a compressor)."""
-    sizes: list[list[int] | None] = [None] * len(codec)
-    cur: list[int] | None = [int(n) for n in expected]
-    for s in range(len(codec) - 1, -1, -1):
-        sizes[s] = cur
-        cur = None if cur is None else _input_sizes(codec[s], cur)
-    return sizes
-
-
-def _input_sizes(c: Codec, out: list[int]) -> list[int] | None:
-    if c.id in _SIZE_PRESERVING:
-        return out
-    if c.id in _TRAILERS:
-        return [n + _TRAILERS[c.id] for n in out]
-    if c.id == "delta":
-        try:
-            dt = np.dtype(c.get("dtype"))
-            at = np.dtype(c.get("astype") or dt)
-        except TypeError:
-            return None
-        return [n // dt.itemsize * at.itemsize for n in out]
-    return None
 
 
 def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Sequence[int], device: Device, *,

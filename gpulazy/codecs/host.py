@@ -1,7 +1,9 @@
 """Host decoding: numcodecs for Zarr/HDF5 codecs, imagecodecs for TIFF's, plus a few of our own.
 
 Used for every codec on ``"cpu"``, and on a GPU for what nvCOMP cannot decode. A codec
-is built once per distinct ``Codec`` value (they are hashable).
+is built once per distinct ``Codec`` value (they are hashable). Before a C decoder runs,
+the size its piece's framing declares is checked (``gpulazy.codecs._frames``); after it,
+what it decoded: a step never hands on more or fewer bytes than the chunk needs.
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from gpulazy.codecs._frames import HEAD, TAIL, FrameError, check_declared, require_size, step_sizes
 from gpulazy.spec import Codec
 
-__all__ = ["decode", "unsupported_reason", "SPECIAL"]
+__all__ = ["decode", "decode_step", "unsupported_reason", "SPECIAL"]
 
 
-def _strip_crc32c(data: np.ndarray, codec: Codec, expected: int) -> np.ndarray:
+def _strip_crc32c(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
     # Zarr v3's crc32c codec appends a 4-byte checksum; verification is on demand elsewhere.
+    if data.size < 4:
+        raise FrameError(f"a crc32c piece of {data.size} bytes cannot hold its 4-byte checksum")
     return data[:-4]
 
 
-def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int) -> np.ndarray:
+def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
     # TIFF predictors work along each row of a strip/tile (params dtype, width, samples, kind
     # 2 = horizontal differencing, 3 = floating point; dist). imagecodecs' delta_decode and
     # floatpred_decode are what tifffile uses; they run on native-order values, so the bytes
@@ -30,7 +35,7 @@ def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int) -> np.ndarray
 
     dt = np.dtype(codec.get("dtype"))
     width, samples, dist = int(codec.get("width")), int(codec.get("samples")), int(codec.get("dist", 1))
-    data = data[:expected]  # a decompressor may return a few bytes more; tifffile drops them too
+    require_size(data.size, expected, "the piece before its predictor")  # never undo a short or long row
     values = data.view(dt.newbyteorder("=") if codec.get("kind") == 3 else dt).reshape(-1, width, samples)
     values = values.astype(dt.newbyteorder("="), copy=True)  # writable, native
     undo = imagecodecs.floatpred_decode if codec.get("kind") == 3 else imagecodecs.delta_decode
@@ -39,45 +44,55 @@ def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int) -> np.ndarray
 
 
 #: Steps gpulazy decodes itself: ``fn(data, codec, expected_nbytes) -> uint8 array``.
-SPECIAL: dict[str, Callable[[np.ndarray, Codec, int], np.ndarray]] = {
+SPECIAL: dict[str, Callable[[np.ndarray, Codec, int | None], np.ndarray]] = {
     "crc32c": _strip_crc32c,
     "tiff_predictor": _tiff_predictor,
 }
 #: The package a special step needs, for ``unsupported_reason``.
 _SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs"}
+#: Codecs whose C decoder enforces the size their framing declares, so they may decode
+#: straight into a buffer of that size (no copy) once ``check_declared`` has passed.
+_ENFORCES_DECLARED = frozenset({"zstd", "lz4", "blosc"})
 
 
 def decode(data: Any, codec: Sequence[Codec], expected: int | None) -> np.ndarray:
     """``data`` (uint8, host) through every step of ``codec``; a 1-D uint8 array.
 
-    ``expected``: the decoded size in bytes, or ``None`` when unknown (no output buffer is
-    given to the last step then).
+    ``expected``: the decoded size in bytes, or ``None`` when unknown. Every step whose
+    output size follows from it (``step_sizes``) must produce exactly
+    that many bytes, and a framing that declares another size is refused before its
+    decoder runs: ``FrameError`` (the pipeline names the file).
     """
     out = np.asarray(data).reshape(-1).view(np.uint8)
-    for i, c in enumerate(codec):
-        last = i == len(codec) - 1
-        special = SPECIAL.get(c.id)
-        if special is not None:
-            out = special(out, c, expected)
-        else:
-            dec = _build(c).decode(out, out=np.empty(expected, np.uint8)) if (last and expected is not None and _takes_out(c)) \
-                else _build(c).decode(out)
-            out = _as_bytes(dec)
+    sizes = step_sizes(codec, [expected]) if expected is not None else [None] * len(codec)
+    for c, want in zip(codec, sizes):
+        out = decode_step(out, c, None if want is None else want[0])
     # imagecodecs hands back bytes (read-only); assembly byte-swaps big-endian data in place.
     return out if out.flags.writeable else out.copy()
 
 
-def _takes_out(c: Codec) -> bool:
-    # Block codecs that decode into a buffer of the known size avoid a copy.
-    return c.id in ("zstd", "lz4", "blosc", "zlib")
+def decode_step(data: np.ndarray, c: Codec, want: int | None) -> np.ndarray:
+    """One step over one piece (an exact-length uint8 view), held to ``want`` bytes when known."""
+    special = SPECIAL.get(c.id)
+    if special is not None:
+        out = special(data, c, want)
+    else:
+        size = int(data.size)
+        declared = check_declared(c.id, data[:HEAD].tobytes(), data[max(0, size - TAIL):].tobytes(), size, want)
+        if declared is not None and declared == want and c.id in _ENFORCES_DECLARED:
+            out = _as_bytes(_build(c).decode(data, out=np.empty(want, np.uint8)))
+        else:  # the decoder sizes its own output: what it returns is what it decoded
+            out = _as_bytes(_build(c).decode(data))
+    require_size(int(out.size), want, f"its {c.id} step")
+    return out
 
 
 def _as_bytes(x: Any) -> np.ndarray:
     from numcodecs.compat import ensure_ndarray
 
     out = ensure_ndarray(x).reshape(-1).view(np.uint8)
-    # Codecs that return ``bytes`` (GZip, Zlib without out=) give a read-only view; the
-    # byte swap after decoding works in place.
+    # Codecs that return ``bytes`` (GZip, Zlib) give a read-only view; the byte swap after
+    # decoding works in place.
     return out if out.flags.writeable else out.copy()
 
 

@@ -5,32 +5,34 @@ Each format's framing is handled here, on the host, from a few header and traile
 of every piece fetched in one copy: nvCOMP's ``RAW`` bitstreams are the bare
 algorithm, so
 
-- ``zstd``: standard frames decode as they are (the frame header's content size, when
-  present, is checked against the expected size first);
+- ``zstd``: standard frames decode as they are;
 - ``lz4`` (numcodecs): a 4-byte little-endian size prefix, then one LZ4 block;
 - ``zlib``: a 2-byte header and a 4-byte Adler-32 trailer around raw Deflate;
 - ``gzip``: a 10-byte header with optional FEXTRA/FNAME/FCOMMENT/FHCRC fields, raw
-  Deflate, and an 8-byte CRC-32 + size trailer (the size is checked).
+  Deflate, and an 8-byte CRC-32 + size trailer.
 
-A piece whose framing is not the plain form (a zstd dictionary, a preset zlib
-dictionary, a gzip header longer than what was fetched, a size field that disagrees,
-a zstd frame whose block headers do not end exactly at the piece's end) is not sent to
+Before nvCOMP sees a piece, the size its framing declares (zstd content size, lz4
+prefix, gzip ISIZE) must be the expected one: ``gpulazy.codecs._frames``, the same check
+the host decoders make. A piece whose framing is not the plain form (a zstd dictionary,
+a preset zlib dictionary, a gzip header longer than what was fetched), declares another
+size, or whose stream does not end exactly at the piece's end (a zstd frame's block
+headers, an LZ4 block's sequences, walked by one GPU thread per piece) is not sent to
 nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on the host, which
 either decodes it or raises the error that names the file. The same goes for pieces
-nvCOMP decodes to a size other than the expected one, and for a whole batch nvCOMP
-refuses.
+nvCOMP reports decoding to a size other than the expected one, and for a whole batch
+nvCOMP refuses.
 
 What nvCOMP 6.0 does with bad input, probed on an H100 (``benchmarks/bench_codecs.py
 --probe``): Deflate reports the bytes it actually decoded (a garbled stream 0, a
 truncated one fewer), so the size check catches both; LZ4's size pass rejects a garbled
 piece before decoding (the output would not fit); zstd and LZ4 read past a piece's stated
-end (a stream cut in half still decoded in full from the bytes behind it), hence the zstd
-block walk; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
+end (a stream cut in half still decoded in full from the bytes behind it), hence the
+walks; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
 its zstd and Deflate decoders assume valid input). nvCOMP verifies no zstd content
-checksum, Adler-32 or gzip CRC-32. So a payload corrupted *inside* a zstd block, or an LZ4
-stream garbled so that it still adds up to the expected size, is not caught on the GPU
-and can take the process's GPU context down: read files you do not trust with
-``device="cpu"``.
+checksum, Adler-32 or gzip CRC-32. So a payload corrupted *inside* a zstd block (its
+headers intact), or LZ4 literals garbled, is not caught on the GPU and a garbled zstd
+block can take the process's GPU context down: read files you do not trust with
+``device="cpu"`` or ``gpulazy.config.set(gpu_decode=False)``.
 
 >>> from gpulazy.codecs import nvcomp
 >>> isinstance(nvcomp.supported(), frozenset)
@@ -40,16 +42,17 @@ True
 from __future__ import annotations
 
 import functools
-import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
+from gpulazy.codecs._frames import HEAD, TAIL, ZSTD_MAGIC, FrameError, check_declared, zstd_header
 from gpulazy.spec import Codec
 
-__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit"]
+__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit",
+           "lz4_block_fits"]
 
 #: Codec id -> (nvCOMP algorithm, framing). TIFF's codecs through imagecodecs share framings.
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -62,8 +65,8 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "imagecodecs_deflate": ("Deflate", "zlib"),
 }
 
-_HEAD = 64  # header bytes fetched per piece (a gzip header with a long FNAME goes to the host)
-_TAIL = 8
+_HEAD = HEAD  # header bytes fetched per piece (a gzip header with a long FNAME goes to the host)
+_TAIL = TAIL
 _OUT_ALIGN = 256  # where each decoded piece starts in the batch's output buffer
 
 
@@ -137,7 +140,8 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
     heads, tails = _ends(pieces)
     spans: list[tuple[int, int, int]] = []  # (piece, start, stop) of the bare stream
     for i, (p, n) in enumerate(zip(pieces, sizes)):
-        span, why = _frame(framing, heads[i], tails[i], int(p.size), int(n)) if n > 0 else (None, "empty")
+        span, why = _frame(codec.id, framing, heads[i], tails[i], int(p.size), int(n)) if n > 0 \
+            else (None, "empty")
         if span is None:
             result.host.append(i)
             result.why[i] = why
@@ -145,8 +149,8 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
             spans.append((i, *span))
     if not spans:
         return result
-    if framing == "zstd" and spans:
-        spans = _walk_zstd(pieces, spans, heads, result)
+    if framing in _WALKS:
+        spans = _walk(framing, pieces, spans, heads, sizes, result)
         if not spans:
             return result
     src = [pieces[i][a:b] for i, a, b in spans]
@@ -237,43 +241,33 @@ def _ends(pieces: Sequence[Any]) -> tuple[list[bytes], list[bytes]]:
 
 # -- framings: (start, stop) of the bare stream inside a piece, or (None, why) ------------
 
-def _frame(framing: str, head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]:
+def _frame(codec_id: str, framing: str, head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]:
+    try:  # the size the framing declares, and whether it fits the piece: one check for host and GPU
+        check_declared(codec_id, head, tail, size, expected)
+    except FrameError as e:
+        return None, str(e)
     if framing == "zstd":
-        return _zstd(head, size, expected)
+        return _zstd(head, size)
     if framing == "lz4-numcodecs":
-        return _lz4(head, size, expected)
+        return _lz4(head, size)
     if framing == "zlib":
         return _zlib(head, size)
     if framing == "gzip":
-        return _gzip(head, tail, size, expected)
+        return _gzip(head, tail, size)
     return ((0, size), "") if size else (None, "empty stream")
 
 
-def _zstd(head: bytes, size: int, expected: int) -> tuple[Any, str]:
-    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+def _zstd(head: bytes, size: int) -> tuple[Any, str]:
+    # nvCOMP sees only frames with the standard magic, no dictionary and a whole header;
+    # the frame's content size was checked by ``check_declared``, its blocks by the walk.
+    if len(head) < 6 or head[:4] != ZSTD_MAGIC:
         return None, "not a zstd frame (magic number missing)"
-    fhd = head[4]
-    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
-    if dict_flag:
+    if head[4] & 3:
         return None, "zstd frame uses a dictionary"
-    at = 5 + (0 if single else 1)
-    width = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fcs_flag]
-    if width:
-        if len(head) < at + width:
-            return None, "truncated zstd frame header"
-        fcs = int.from_bytes(head[at:at + width], "little") + (256 if width == 2 else 0)
-        if fcs != expected:
-            return None, f"zstd frame says {fcs} bytes, expected {expected}"
+    start, trailer = zstd_header(head)
+    if start + 3 + trailer > size:
+        return None, "truncated zstd frame header"
     return (0, size), ""
-
-
-def zstd_header(head: bytes) -> tuple[int, int]:
-    """``(header length, checksum length)`` of the zstd frame whose first bytes are ``head``."""
-    fhd = head[4]
-    single = (fhd >> 5) & 1
-    fcs = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]
-    did = (0, 1, 2, 4)[fhd & 3]
-    return 5 + (0 if single else 1) + did + fcs, 4 if fhd & 4 else 0
 
 
 def zstd_blocks_fit(data: bytes, start: int, trailer: int) -> bool:
@@ -293,64 +287,149 @@ def zstd_blocks_fit(data: bytes, start: int, trailer: int) -> bool:
     return False
 
 
-def _walk_zstd(pieces: Sequence[Any], spans: list, heads: list[bytes], result: Decoded) -> list:
-    """Spans whose zstd block chain fits the piece exactly (one thread per piece walks it on the GPU).
+def lz4_block_fits(data: bytes, start: int, expected: int) -> bool:
+    """Whether the LZ4 sequences from ``start`` end exactly at ``len(data)`` having produced
+    ``expected`` bytes, every match inside what was produced before it.
 
-    A truncated or overlong frame would make nvCOMP read past the piece; such pieces go to the host.
+    The host twin of the ``_LZ4_WALK`` kernel (the tests check one against the other's rules).
+    """
+    pos, end, out = start, len(data), 0
+    while pos < end:
+        token = data[pos]
+        pos += 1
+        lit, pos, whole = _lz4_length(data, pos, token >> 4)
+        if not whole or lit > end - pos or out + lit > expected:
+            return False
+        pos, out = pos + lit, out + lit
+        if pos == end:  # the last sequence is literals only: the block ends right after them
+            return out == expected
+        if end - pos < 2:
+            return False
+        offset = data[pos] | data[pos + 1] << 8
+        match, pos, whole = _lz4_length(data, pos + 2, token & 15)
+        if not whole or offset == 0 or offset > out or out + match + 4 > expected:
+            return False
+        out += match + 4
+    return False
+
+
+def _lz4_length(data: bytes, pos: int, n: int) -> tuple[int, int, bool]:
+    # A 4-bit length of 15 goes on in bytes of 255 until one that is not.
+    if n != 15:
+        return n, pos, True
+    while pos < len(data):
+        b = data[pos]
+        pos, n = pos + 1, n + b
+        if b != 255:
+            return n, pos, True
+    return n, pos, False
+
+
+def _walk(framing: str, pieces: Sequence[Any], spans: list, heads: list[bytes], sizes: Sequence[int],
+          result: Decoded) -> list:
+    """Spans whose stream provably ends at the end of its piece (one GPU thread per piece walks it).
+
+    nvCOMP's zstd and LZ4 decoders read past a stream that is cut short (into the next
+    piece of the read buffer): a zstd frame's block headers must chain to the piece's end
+    (less its checksum), an LZ4 block's sequences must end there having produced the
+    expected size. Pieces that do not go to the host, which names the file.
     """
     import cupy
 
     from gpulazy.codecs import filters
 
-    layout = [zstd_header(heads[i]) for i, _, _ in spans]
+    name, source, why = _WALKS[framing]
+    if framing == "zstd":
+        layout = [zstd_header(heads[i]) for i, _, _ in spans]  # (first block, checksum bytes)
+    else:
+        layout = [(a, int(sizes[i])) for i, a, _ in spans]  # (first sequence, decoded size)
     src = [pieces[i] for i, _, _ in spans]
-    k = filters.kernel("zstd_walk", _ZSTD_WALK)
+    k = filters.kernel(name, source)
     n = len(src)
-    sizes = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
+    lengths = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
     starts = cupy.asarray(np.array([a for a, _ in layout], dtype=np.int64))
-    trailers = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
+    limits = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
     ok = cupy.zeros(n, dtype=np.int32)
-    k((-(-n // 64),), (64,), (filters.pointer_table(src), sizes, starts, trailers, ok, np.int64(n)))
-    fits = ok.get()
+    k((-(-n // 64),), (64,), (filters.pointer_table(src), lengths, starts, limits, ok, np.int64(n)))
     keep = []
-    for (i, a, b), good in zip(spans, fits):
+    for (i, a, b), good in zip(spans, ok.get()):
         if good:
             keep.append((i, a, b))
         else:
             result.host.append(i)
-            result.why[i] = "zstd block headers do not end at the end of the piece (truncated or corrupt)"
+            result.why[i] = why
     return keep
 
 
 _ZSTD_MAX_BLOCK = 128 * 1024
 
-_ZSTD_WALK = r"""
-extern "C" __global__ void gl_zstd_walk(const unsigned long long* src, const long long* n,
-                                        const long long* start, const long long* trailer, int* ok,
-                                        long long count) {
+def _walk_kernel(name: str, helpers: str, body: str) -> str:
+    """The source of a walk kernel: one thread per piece sets ``ok[p]`` from ``body``, which
+    walks ``s[start[p]:n[p]]`` (``limit[p]``: what the end must match) and sets ``good``."""
+    return helpers + f"""
+extern "C" __global__ void gl_{name}(const unsigned long long* src, const long long* n,
+                                     const long long* start, const long long* limit, int* ok, long long count) {{
     long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (p >= count) return;
     const unsigned char* s = (const unsigned char*)src[p];
     long long end = n[p], pos = start[p];
     int good = 0;
+{body}
+    ok[p] = good;
+}}
+"""
+
+
+# The rules of ``zstd_blocks_fit``; ``limit``: the frame's checksum bytes after the last block.
+_ZSTD_WALK = _walk_kernel("zstd_walk", "", r"""
     while (pos + 3 <= end) {
         unsigned int h = s[pos] | (s[pos + 1] << 8) | (s[pos + 2] << 16);
         unsigned int last = h & 1u, kind = (h >> 1) & 3u, size = h >> 3;
         if (kind == 3u || size > 131072u) break;
         pos += 3 + (kind == 1u ? 1 : (long long)size);
-        if (last) { good = (pos + trailer[p] == end); break; }
+        if (last) { good = (pos + limit[p] == end); break; }
+    }""")
+
+# The rules of ``lz4_block_fits``; ``limit``: the decoded size the block must produce.
+_LZ4_WALK = _walk_kernel("lz4_walk", r"""
+__device__ bool gl_lz4_len(const unsigned char* s, long long* pos, long long end, long long* n) {
+    if (*n != 15) return true;
+    while (*pos < end) {
+        unsigned int b = s[(*pos)++];
+        *n += b;
+        if (b != 255u) return true;
     }
-    ok[p] = good;
+    return false;
 }
-"""
+""", r"""
+    long long want = limit[p], out = 0;
+    while (pos < end) {
+        unsigned int token = s[pos++];
+        long long lit = token >> 4;
+        if (!gl_lz4_len(s, &pos, end, &lit) || lit > end - pos || out + lit > want) break;
+        pos += lit;
+        out += lit;
+        if (pos == end) { good = (out == want); break; }
+        if (end - pos < 2) break;
+        long long offset = s[pos] | (s[pos + 1] << 8);
+        pos += 2;
+        long long match = token & 15u;
+        if (!gl_lz4_len(s, &pos, end, &match) || offset == 0 || offset > out || out + match + 4 > want) break;
+        out += match + 4;
+    }""")
+
+#: framing -> (kernel name, source, why a piece that fails the walk goes to the host)
+_WALKS = {
+    "zstd": ("zstd_walk", _ZSTD_WALK, "zstd block headers do not end at the end of the piece (truncated or "
+             "corrupt)"),
+    "lz4-numcodecs": ("lz4_walk", _LZ4_WALK, "lz4 sequences do not end at the end of the piece with the "
+                      "expected size (truncated or corrupt)"),
+}
 
 
-def _lz4(head: bytes, size: int, expected: int) -> tuple[Any, str]:
+def _lz4(head: bytes, size: int) -> tuple[Any, str]:
     if size < 5:
-        return None, "lz4 piece shorter than its size prefix"
-    (n,) = struct.unpack("<I", head[:4])
-    if n != expected:
-        return None, f"lz4 size prefix says {n} bytes, expected {expected}"
+        return None, "lz4 piece shorter than its size prefix and one token"
     return (4, size), ""
 
 
@@ -365,7 +444,7 @@ def _zlib(head: bytes, size: int) -> tuple[Any, str]:
     return (2, size - 4), ""
 
 
-def _gzip(head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]:
+def _gzip(head: bytes, tail: bytes, size: int) -> tuple[Any, str]:
     if size < 18 or head[:3] != b"\x1f\x8b\x08":
         return None, "not a gzip member (bad header)"
     flg, at = head[3], 10
@@ -385,7 +464,4 @@ def _gzip(head: bytes, tail: bytes, size: int, expected: int) -> tuple[Any, str]
         at += 2
     if at > len(head) or at >= size - 8:
         return None, "gzip header longer than fetched"
-    isize = int.from_bytes(tail[-4:], "little")
-    if isize != expected % (1 << 32):
-        return None, f"gzip trailer says {isize} bytes (mod 2**32), expected {expected}"
     return (at, size - 8), ""

@@ -211,9 +211,12 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
         Force a layout (``"raw"``, ``"npy"`` or a registered name); default: guessed
         from the first file's magic bytes, raw when ``dtype`` is given.
     verify
-        Check every chunk's stored bytes against their CRC32C (a manifest written by
-        ``gpulazy index --checksum PATH``, or Zarr's ``crc32c`` codec) when read; a
-        mismatch raises ``ChunkReadError``. Verified reads bypass the cache.
+        Check every chunk's stored bytes, on every read path, against the block hashes
+        of a manifest written by ``gpulazy index --checksum PATH`` (XXH3-128), and
+        against Zarr's ``crc32c`` codec where chunks carry it (which alone needs no
+        manifest but cannot tell a chunk from another valid one); the blocks holding
+        the layout's metadata are checked here. A mismatch raises ``ChunkReadError``.
+        Verified reads bypass the cache (``gpulazy.checksums``).
     **layout_opts
         Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5); an
         option the layout does not know raises ``TypeError`` naming it.

@@ -27,6 +27,8 @@ import gpulazy
 from gpulazy.checksums import MANIFEST_NAME, block_hash, crc32c, write_manifest
 from gpulazy.errors import ChunkReadError, LayoutError
 
+from .test_verify import _flip_on_disk
+
 SHAPE = (4, 32, 48)
 BLOCK = 512  # small manifest blocks: a flip is located to a few hundred bytes
 
@@ -104,16 +106,6 @@ def _open(path, opts, **kw):
     return gpulazy.from_files(path, chunks=(1, 32, 48), device="cpu", cache=False, **opts, **kw)
 
 
-def _flip_keeping_mtime(path, at):
-    st = os.stat(path)
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x01]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 def _stored_byte_of_plane(vol, plane):
     """A file and an offset inside a stored piece of plane ``plane``'s chunk."""
     spec = vol.chunk_index.specs[(plane, 0, 0)]
@@ -130,7 +122,7 @@ def test_a_flipped_stored_byte_fails_every_read_path(tmp_path, fmt):
         want = read(da.from_array(_data(), chunks=(1, 32, 48)))
         np.testing.assert_array_equal(read(_open(path, opts, verify=True)), want)
     victim, at = _stored_byte_of_plane(_open(path, opts), 2)
-    _flip_keeping_mtime(victim, at)
+    _flip_on_disk(victim, at)
     for how, read in READS.items():
         vol = _open(path, opts, verify=True)  # indexed after the flip: only the checksums can tell
         with pytest.raises(ChunkReadError, match="failed verification") as info:
@@ -218,7 +210,7 @@ def test_big_chunks_hash_their_blocks_in_threads_and_still_name_the_block(tmp_pa
     data.tofile(p)
     write_manifest([str(p)], block_size=1 << 20)
     np.testing.assert_array_equal(gpulazy.read_file(str(p), device="cpu", verify=True), data)
-    _flip_keeping_mtime(str(p), (17 << 20) + 5)
+    _flip_on_disk(str(p), (17 << 20) + 5)
     with pytest.raises(ChunkReadError, match=r"block 17\b") as info:
         gpulazy.read_file(str(p), device="cpu", verify=True)
     assert info.value.path == str(p)
@@ -230,7 +222,7 @@ def test_read_ahead_and_batched_reads_verify_too(tmp_path):
     path, opts = _zarr_v3(tmp_path)
     write_manifest(path, block_size=BLOCK)
     victim, at = _stored_byte_of_plane(_open(path, opts), 1)
-    _flip_keeping_mtime(victim, at)
+    _flip_on_disk(victim, at)
     vol = _open(path, opts, verify=True)
     specs = tuple(vol.chunk_index.specs.values())
     np.testing.assert_array_equal(vol.chunk_source.start([specs[0]])[0].result(), _data()[:1])
@@ -271,7 +263,7 @@ def test_a_flipped_stored_byte_fails_every_read_path_on_the_gpu(tmp_path, fmt):
     vol = gpulazy.from_files(path, chunks=(1, 32, 48), cache=False, verify=True, **gpu)
     np.testing.assert_array_equal(to_host(vol.compute()), _data())
     victim, at = _stored_byte_of_plane(vol, 2)
-    _flip_keeping_mtime(victim, at)
+    _flip_on_disk(victim, at)
     for how, read in READS.items():
         vol = gpulazy.from_files(path, chunks=(1, 32, 48), cache=False, verify=True, **gpu)
         with pytest.raises(ChunkReadError, match="failed verification") as info:

@@ -70,6 +70,8 @@ _PARALLEL_BYTES = 8 << 20  # a chunk with more bytes than this hashes its blocks
 # The blocks of layout metadata checked by ``from_files(verify=True)`` before anything is
 # read: up to this many bytes, or this fraction of the file, whichever is more.
 _METADATA_BYTES, _METADATA_FRACTION = 64 << 20, 0.25
+# Files of a store that say how to read its chunk files (Zarr's; some are dotfiles, listed all the same).
+_STORE_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
 
 
 def crc32c(data: Any, crc: int = 0) -> int:
@@ -123,7 +125,8 @@ def _group(paths: Any) -> dict[str, list[str]]:
         files = []
         for dirpath, dirnames, names in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            files += [os.path.join(dirpath, n) for n in sorted(names) if not n.startswith(".")]
+            files += [os.path.join(dirpath, n) for n in sorted(names)
+                      if not n.startswith(".") or n in _STORE_METADATA]
         files = [p for p in files if os.path.isfile(p)]
         if not files:
             raise LayoutError(f"folder {root!r} holds no regular (non-hidden) files to checksum")
@@ -280,6 +283,7 @@ def require_checksums(specs: Iterable[ChunkSpec]) -> None:
                 covered.setdefault(r.path, []).append((r.offset, r.offset + r.nbytes))
     for path, entry in entries.items():
         _verify_metadata_blocks(path, entry, covered[path])
+    _verify_store_metadata(entries)
 
 
 def _listed(path: str, *, required: bool) -> _Entry | None:
@@ -312,6 +316,24 @@ def _verify_metadata_blocks(path: str, entry: _Entry, covered: list[tuple[int, i
                       "that locates them", stacklevel=3)
         return
     _run([lambda b=b: _check_block(path, entry, b, [], None, None) for b in blocks], nbytes)
+
+
+def _verify_store_metadata(entries: dict[str, _Entry]) -> None:
+    """Hash the store metadata files (``zarr.json``, ``.zarray``, ...) listed in the manifests
+    of ``entries``, in the folders from each chunk file's up to its manifest's."""
+    folders: set[str] = set()
+    for path, entry in entries.items():
+        top = os.path.dirname(entry.manifest)
+        folder = os.path.dirname(os.path.abspath(path))
+        while folder not in folders and (folder == top or folder.startswith(top + os.sep)):
+            folders.add(folder)
+            for name in _STORE_METADATA:
+                meta = os.path.join(folder, name)
+                listed = _listed(meta, required=False) if os.path.isfile(meta) else None
+                if listed is not None:  # a manifest written for chunk files only lists none
+                    _run([lambda b=b, m=meta, e=listed: _check_block(m, e, b, [], None, None)
+                          for b in range(len(listed.digests))], listed.size)
+            folder = os.path.dirname(folder)
 
 
 def _uncovered_blocks(entry: _Entry, covered: list[tuple[int, int]]) -> list[int]:
@@ -425,8 +447,8 @@ def _check_block(path: str, entry: _Entry, b: int, pieces: Sequence[tuple[int, i
                f"{entry.manifest!r}")
         if spec is None:
             raise ChunkReadError(f"{path!r} failed verification at offset {start} ({end - start} bytes of the metadata "
-                                 f"that locates its chunks): {why}; the file is corrupt or was changed since it was "
-                                 "indexed with gpulazy index --checksum", path=path, offset=start,
+                                 f"that describes or locates chunks): {why}; the file is corrupt or was changed since "
+                                 "it was indexed with gpulazy index --checksum", path=path, offset=start,
                                  expected=end - start)
         raise _mismatch(spec, path, lo, hi - lo, why)
 

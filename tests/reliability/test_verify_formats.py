@@ -269,3 +269,24 @@ def test_a_flipped_stored_byte_fails_every_read_path_on_the_gpu(tmp_path, fmt):
         with pytest.raises(ChunkReadError, match="failed verification") as info:
             read(vol)
         assert info.value.path == victim, how
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", ["zstd Zarr v2", "zstd Zarr v3"])
+def test_a_store_metadata_file_changed_to_another_valid_one_is_caught(tmp_path, fmt):
+    """The dtype in ``.zarray``/``zarr.json`` changed from unsigned to signed (same length, still
+    valid): every chunk's bytes are intact, but they would be read as other values."""
+    path, opts = FORMATS[fmt](tmp_path)
+    write_manifest(path, block_size=BLOCK)
+    meta = os.path.join(path, ".zarray" if fmt.endswith("v2") else "zarr.json")
+    assert ".zarray" in json.loads(open(os.path.join(path, MANIFEST_NAME)).read())["files"] or "v3" in fmt
+    text = open(meta).read()
+    signed = text.replace('"<u2"', '"<i2"') if "v2" in fmt else text.replace('"uint16"', '"int16" ')
+    assert signed != text and len(signed) == len(text)
+    st = os.stat(meta)
+    with open(meta, "w") as f:
+        f.write(signed)
+    os.utime(meta, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ChunkReadError, match="failed verification") as info:
+        _open(path, opts, verify=True)
+    assert info.value.path == meta

@@ -606,7 +606,7 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
                 continue
             flat = None if spec.is_assembled else _byte_view(view, spec.order)
             try:
-                future, buf = submit_chunk(spec, backend, flat, verify=source.verify)
+                future, buf = submit_chunk(spec, backend, flat, source.verify)
             except BaseException as e:
                 errors.append(e)
                 break
@@ -811,7 +811,7 @@ def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device, verify: bool = 
     with dev.activate():
         for spec in specs:
             try:
-                submitted.append((spec, *submit_chunk(spec, backend, verify=verify)))
+                submitted.append((spec, *submit_chunk(spec, backend, None, verify)))
             except BaseException as e:
                 errors.append(e)
                 break

@@ -181,18 +181,21 @@ class _OldFormat(LayoutError):
 
 
 class _Entry:
-    """One file's checksums: ``block_size`` and the hash of each block (``digests[b]``, 16 bytes)."""
+    """One file's checksums: ``block_size`` and the hash of each block (``digest(b)``, 16 bytes)."""
 
-    __slots__ = ("manifest", "size", "block_size", "digests")
+    __slots__ = ("manifest", "size", "block_size", "nblocks", "_blob")
 
     def __init__(self, manifest: str, raw: dict):
         self.manifest = manifest
         self.size = int(raw["size"])
         self.block_size = int(raw["block_size"])
-        blob = bytes.fromhex(raw[ALGORITHM])
-        self.digests = [blob[i: i + DIGEST] for i in range(0, len(blob), DIGEST)]
-        if self.block_size <= 0 or len(blob) != DIGEST * -(-self.size // self.block_size):
+        self._blob = bytes.fromhex(raw[ALGORITHM])
+        self.nblocks = len(self._blob) // DIGEST
+        if self.block_size <= 0 or len(self._blob) != DIGEST * -(-self.size // self.block_size):
             raise ValueError("block_size and the number of hashes do not match the size")
+
+    def digest(self, b: int) -> bytes:
+        return self._blob[b * DIGEST: (b + 1) * DIGEST]
 
     def blocks(self, offset: int, nbytes: int) -> range:
         """The blocks that bytes ``offset .. offset + nbytes`` touch."""
@@ -203,6 +206,7 @@ class _Entry:
 
 
 _manifests: dict[str, tuple[int, dict]] = {}
+_entries: dict[tuple[str, str], tuple[dict, _Entry]] = {}  # parsed once per manifest document
 _lock = threading.Lock()
 
 
@@ -238,10 +242,17 @@ def manifest_entry(path: str) -> _Entry | None:
     for _ in range(_SEARCH_DEPTH):
         manifest = os.path.join(folder, MANIFEST_NAME)
         if os.path.exists(manifest):
-            raw = _load(manifest)["files"].get(os.path.relpath(path, folder))
+            doc = _load(manifest)
+            rel = os.path.relpath(path, folder)
+            raw = doc["files"].get(rel)
             if raw is not None:
+                hit = _entries.get((manifest, rel))
+                if hit is not None and hit[0] is doc:
+                    return hit[1]
                 try:
-                    return _Entry(manifest, raw)
+                    entry = _Entry(manifest, raw)
+                    _entries[(manifest, rel)] = (doc, entry)  # a file's hashes parsed once, not per chunk
+                    return entry
                 except (KeyError, TypeError, ValueError) as e:
                     raise LayoutError(f"the checksum manifest {manifest!r} has a bad entry for {path!r}: {e}; "
                                       f"write it again with gpulazy index --checksum") from e
@@ -332,7 +343,7 @@ def _verify_store_metadata(entries: dict[str, _Entry]) -> None:
                 listed = _listed(meta, required=False) if os.path.isfile(meta) else None
                 if listed is not None:  # a manifest written for chunk files only lists none
                     _run([lambda b=b, m=meta, e=listed: _check_block(m, e, b, [], None, None)
-                          for b in range(len(listed.digests))], listed.size)
+                          for b in range(listed.nblocks)], listed.size)
             folder = os.path.dirname(folder)
 
 
@@ -440,7 +451,7 @@ def _check_block(path: str, entry: _Entry, b: int, pieces: Sequence[tuple[int, i
         cursor = hi
     if cursor < end:
         parts.append(_pread(path, cursor, end - cursor))
-    got, want = block_hash(*parts), entry.digests[b]
+    got, want = block_hash(*parts), entry.digest(b)
     if got != want:
         lo, hi = (pieces[0][0], pieces[-1][1]) if pieces else (start, end)
         why = (f"{ALGORITHM} {got.hex()} of bytes {start}..{end} (block {b}) differs from {want.hex()} in "

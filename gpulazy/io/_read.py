@@ -18,7 +18,7 @@ from gpulazy.spec import ChunkSpec
 __all__ = ["read_chunk", "read_chunks", "start_chunks", "finish_chunks", "PendingChunk", "submit_chunk", "decode"]
 
 
-def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None, *, verify: bool = False
+def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None, verify: bool = False
                  ) -> tuple[ReadFuture, Any]:
     """Start reading ``spec`` into ``out`` (allocated on the backend's device if ``None``).
 

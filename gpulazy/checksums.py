@@ -24,10 +24,14 @@ read's future, ``VerifiedRead``): each block the chunk's byte ranges touch is ha
 once, the chunk's own bytes as read plus the rest of the block read from the file.
 A chunk encoded with Zarr's ``crc32c`` codec is also checked against the checksum it
 carries (which alone needs no manifest: it catches random corruption, not a swap).
-``from_files(verify=True)`` also checks, before anything is read, the blocks holding
-bytes no chunk reads: the metadata the layout parsed (a shard's index, TIFF IFDs,
-HDF5 chunk tables), so a rewritten index cannot point a chunk at other valid bytes.
-A mismatch raises ``ChunkReadError`` naming the chunk, the file and the offset.
+``from_files(verify=True)`` also checks, before anything is read, what decided where
+the chunks' bytes are and how they decode: the blocks of each file holding bytes no
+chunk reads (a shard's index, TIFF IFDs, HDF5 chunk tables), so a rewritten index cannot
+point a chunk at other valid bytes, and a Zarr store's metadata files (``zarr.json``,
+``.zarray``, ...; the manifest lists them although some are dotfiles). Those blocks are
+skipped, with a warning, where they are most of a large file (one dataset of an HDF5
+file that holds many). A mismatch raises ``ChunkReadError`` naming the chunk (if any),
+the file and the offset.
 
 On a GPU the hash runs on the host: the chunk's stored bytes are copied down, then
 hashed. The Zarr ``crc32c`` codec is checked where

@@ -363,6 +363,9 @@ def _uncovered_blocks(entry: _Entry, covered: list[tuple[int, int]]) -> list[int
 
 # -- verifying --------------------------------------------------------------------------
 
+_PENDING = object()
+
+
 class VerifiedRead:
     """A read's future whose ``result()`` also verifies the bytes that landed (``verify_chunk``).
 
@@ -376,23 +379,23 @@ class VerifiedRead:
     def __init__(self, future: Any, buf: Any, spec: ChunkSpec):
         self.future, self.buf, self.spec = future, buf, spec
         self._lock = threading.Lock()
-        self._outcome: Any = None  # the byte count once verified, or the error raised
+        self._outcome: Any = _PENDING  # the byte count once verified, or the mismatch raised
 
     def done(self) -> bool:
         return self.future.done()
 
     def result(self, timeout: float | None = None) -> int:
         with self._lock:
-            if self._outcome is None:
+            if self._outcome is _PENDING:
+                # A failed read raises here, every time (the read's future keeps its error).
+                n = self.future.result() if timeout is None else self.future.result(timeout)
                 try:
-                    n = self.future.result() if timeout is None else self.future.result(timeout)
                     verify_chunk(self.buf, self.spec)
-                    self._outcome = n
-                except BaseException as e:
-                    if isinstance(e, TimeoutError):
-                        raise
+                except Exception as e:
                     self._outcome = e
-        if isinstance(self._outcome, BaseException):
+                    raise
+                self._outcome = n
+        if isinstance(self._outcome, Exception):
             raise self._outcome
         return self._outcome
 

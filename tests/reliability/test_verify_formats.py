@@ -290,3 +290,24 @@ def test_a_store_metadata_file_changed_to_another_valid_one_is_caught(tmp_path, 
     with pytest.raises(ChunkReadError, match="failed verification") as info:
         _open(path, opts, verify=True)
     assert info.value.path == meta
+
+
+@pytest.mark.timeout(60)
+def test_a_verified_read_checks_its_bytes_once_whichever_threads_ask(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpulazy import checksums
+    from gpulazy.io import get_backend, start_chunks
+
+    p = tmp_path / "a.raw"
+    np.arange(4096, dtype="<u2").tofile(p)
+    write_manifest([str(p)], block_size=BLOCK)
+    spec = next(iter(gpulazy.from_files(str(p), dtype="<u2", device="cpu").chunk_index.specs.values()))
+    calls = []
+    real = checksums.verify_chunk
+    monkeypatch.setattr(checksums, "verify_chunk", lambda buf, s: calls.append(s) or real(buf, s))
+    (pending,) = start_chunks([spec], get_backend("posix", "cpu"), verify=True)
+    with ThreadPoolExecutor(8) as pool:
+        assert set(pool.map(lambda _: pending.future.result(), range(32))) == {spec.nbytes}
+    np.testing.assert_array_equal(pending.result(), np.arange(4096, dtype="<u2"))
+    assert len(calls) == 1

@@ -51,9 +51,6 @@ class PendingBatch:
     def start(cls, source: Any, specs: tuple[ChunkSpec, ...]) -> PendingBatch:
         """Serve the cached chunks of ``specs`` and submit reads for the rest, from this thread."""
         self = cls(source, specs)
-        if source.verify:  # verified reads go one by one, past the cache (``ChunkSource.read``)
-            self.todo = list(range(len(specs)))
-            return self
         from gpulazy.integrity import check_all_unchanged
 
         check_all_unchanged(specs)  # a cached chunk of a file changed since indexing is never served
@@ -76,7 +73,8 @@ class PendingBatch:
         source, first = self.source, batch[0]
         try:
             return retry_on_oom(
-                lambda: start_chunks(batch, source.backend_instance(), staged=config.get("staging") != "never"),
+                lambda: start_chunks(batch, source.backend_instance(), staged=config.get("staging") != "never",
+                                     verify=source.verify),  # verified as each read lands; no cache then
                 device=get_device(source.device), nbytes=sum(s.out_nbytes for s in batch),
                 what=f"reading {len(batch)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
                 else "reading chunks")
@@ -86,8 +84,6 @@ class PendingBatch:
     def result(self) -> list[Any]:
         """The arrays, in order, each complete on every stream; raises the first read's error."""
         source, specs, arrays = self.source, self.specs, self.arrays
-        if source.verify:
-            return [source.load(s) for s in specs]
         cache = source.cache_instance()
         for i in self.held:
             arrays[i] = cache.get(specs[i], source.read)  # a hit (or, if evicted meanwhile, a read)
@@ -108,8 +104,6 @@ class PendingBatch:
         threads at once (for different chunks, or the same one twice).
         """
         source, spec = self.source, self.specs[i]
-        if source.verify:
-            return source.load(spec)
         arr = self.arrays[i]
         if arr is not None:
             return arr

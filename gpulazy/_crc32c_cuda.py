@@ -1,4 +1,7 @@
-"""CRC32C of segments of a CuPy buffer, on the GPU: no copy of the data to the host.
+"""CRC32C of segments of a CuPy buffer, on the GPU: Zarr's ``crc32c`` codec checked with no copy to the host.
+
+(The checksum manifest hashes blocks with XXH3-128 on the host, ``gpulazy.checksums``: a
+CRC cannot tell a file that ends in its own CRC from another of the same length.)
 
 Two kernels, so that a few long segments still use the whole GPU:
 

@@ -86,7 +86,8 @@ class ChunkSource:
         """
         from gpulazy.integrity import checked_start
 
-        return checked_start(list(specs), self.backend_instance(), staged=config.get("staging") != "never")
+        return checked_start(list(specs), self.backend_instance(), staged=config.get("staging") != "never",
+                             verify=self.verify)
 
     def load_many(self, specs: tuple[ChunkSpec, ...]) -> list[Any]:
         """Several chunks' arrays: cached ones from the cache, the others read in one batch.
@@ -210,9 +211,12 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
         Force a layout (``"raw"``, ``"npy"`` or a registered name); default: guessed
         from the first file's magic bytes, raw when ``dtype`` is given.
     verify
-        Check every chunk's stored bytes against their CRC32C (a manifest written by
-        ``gpulazy index --checksum PATH``, or Zarr's ``crc32c`` codec) when read; a
-        mismatch raises ``ChunkReadError``. Verified reads bypass the cache.
+        Check every chunk's stored bytes, on every read path, against the block hashes
+        of a manifest written by ``gpulazy index --checksum PATH`` (XXH3-128), and
+        against Zarr's ``crc32c`` codec where chunks carry it (which alone needs no
+        manifest but cannot tell a chunk from another valid one); the blocks holding
+        the layout's metadata are checked here. A mismatch raises ``ChunkReadError``.
+        Verified reads bypass the cache (``gpulazy.checksums``).
     **layout_opts
         Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5); an
         option the layout does not know raises ``TypeError`` naming it.
@@ -554,7 +558,6 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
     one decodes. Other reads are all submitted before any is waited on. The first error is
     raised after every submitted read has settled, so nothing writes into a dropped buffer.
     """
-    from gpulazy.checksums import verify_chunk
     from gpulazy.integrity import as_read_error, check_all_unchanged
     from gpulazy.io import decode, submit_chunk
 
@@ -577,9 +580,7 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
     def settle(entry) -> int:
         future, buf, spec, target, view = entry
         try:
-            future.result()
-            if source.verify and not errors:
-                verify_chunk(buf, spec)
+            future.result()  # verified there, with ``source.verify`` (``submit_chunk``)
             if not errors:
                 arr = decode(buf, spec, dev)  # byte swaps in place when needed
                 if target is not None:
@@ -605,7 +606,7 @@ def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, orde
                 continue
             flat = None if spec.is_assembled else _byte_view(view, spec.order)
             try:
-                future, buf = submit_chunk(spec, backend, flat)
+                future, buf = submit_chunk(spec, backend, flat, source.verify)
             except BaseException as e:
                 errors.append(e)
                 break
@@ -800,7 +801,7 @@ def _whole_file_spec(path: str, dtype: Any, shape: Any, offset: int) -> ChunkSpe
 
 
 def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device, verify: bool = False) -> list[Any]:
-    from gpulazy.checksums import require_checksums, verify_chunk
+    from gpulazy.checksums import require_checksums
     from gpulazy.integrity import as_read_error, check_all_unchanged
     from gpulazy.io import decode, submit_chunk
 
@@ -810,16 +811,14 @@ def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device, verify: bool = 
     with dev.activate():
         for spec in specs:
             try:
-                submitted.append((spec, *submit_chunk(spec, backend)))
+                submitted.append((spec, *submit_chunk(spec, backend, None, verify)))
             except BaseException as e:
                 errors.append(e)
                 break
         arrays = []
         for spec, future, buf in submitted:  # every read settles before an error is raised
             try:
-                future.result()
-                if verify and not errors:
-                    verify_chunk(buf, spec)
+                future.result()  # verified there (``submit_chunk(verify=...)``)
                 if not errors:
                     arrays.append(decode(buf, spec, dev))
             except BaseException as e:

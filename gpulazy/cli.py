@@ -370,7 +370,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from gpulazy.checksums import write_manifest
 
     if not args.checksum:
-        raise ValueError("nothing to do: pass --checksum to write the files' CRC32C manifest")
+        raise ValueError("nothing to do: pass --checksum to write the files' checksum manifest")
     started = time.perf_counter()
     written = write_manifest(args.path, block_size=config.parse_bytes(args.block_size))
     for m in written:
@@ -423,10 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="keep the generated volume")
     demo.set_defaults(func=cmd_demo)
 
-    index = sub.add_parser("index", parents=[common], help="write a CRC32C manifest of files (for verify=True)")
+    index = sub.add_parser("index", parents=[common], help="write a checksum manifest of files, an XXH3-128 hash per block (for verify=True)")
     index.add_argument("path", help="a file, a glob, or a folder (every file under it)")
     index.add_argument("--checksum", action="store_true", help="write .gpulazy-checksums.json next to the files")
-    index.add_argument("--block-size", default="256KiB", help="bytes per checksum (default 256KiB)")
+    index.add_argument("--block-size", default="256KiB", help="bytes per hash (default 256KiB)")
     index.set_defaults(func=cmd_index)
     return p
 

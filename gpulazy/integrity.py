@@ -94,23 +94,14 @@ def checked_read(spec: ChunkSpec, backend: Any, *, verify: bool = False, check_b
     """Read and decode ``spec`` through ``backend``: identity checked around the read,
     stored bytes verified before decoding when ``verify``; raises ``ChunkReadError``.
 
-    ``staged``: as in ``gpulazy.io.start_chunks`` (unverified reads only)."""
-    from gpulazy.io import decode, start_chunks, submit_chunk
+    ``staged``: as in ``gpulazy.io.start_chunks``."""
+    from gpulazy.io import start_chunks
 
     if check_before:
         check_unchanged(spec)
-    if not verify:  # the checks after the read are ``CheckedPending``'s, shared with read-ahead
-        return CheckedPending(start_chunks([spec], backend, staged=staged)[0]).result()
-    try:
-        future, buf = submit_chunk(spec, backend)
-        future.result()
-    except OSError as e:
-        raise as_read_error(e, spec) from e
-    from gpulazy.checksums import verify_chunk
-
-    verify_chunk(buf, spec)
-    check_unchanged(spec)  # written to during the read: the bytes may be half old, half new
-    return decode(buf, spec, backend.device)
+    # The checks after the read are ``CheckedPending``'s, shared with read-ahead; the
+    # verification is the read's own (``start_chunks(verify=...)``), as on every path.
+    return CheckedPending(start_chunks([spec], backend, staged=staged, verify=verify)[0]).result()
 
 
 class CheckedPending:
@@ -138,7 +129,8 @@ class CheckedPending:
         return arr
 
 
-def checked_start(specs: list[ChunkSpec], backend: Any, *, staged: bool | None = None) -> list[CheckedPending]:
+def checked_start(specs: list[ChunkSpec], backend: Any, *, staged: bool | None = None,
+                  verify: bool = False) -> list[CheckedPending]:
     """Start reading ``specs`` now (``gpulazy.io.start_chunks``), checked as ``checked_read`` checks.
 
     The files are stat'ed before the reads are submitted and again by each ``result()``.
@@ -146,4 +138,4 @@ def checked_start(specs: list[ChunkSpec], backend: Any, *, staged: bool | None =
     from gpulazy.io import start_chunks
 
     check_all_unchanged(specs)
-    return [CheckedPending(p) for p in start_chunks(specs, backend, staged=staged)]
+    return [CheckedPending(p) for p in start_chunks(specs, backend, staged=staged, verify=verify)]

@@ -18,12 +18,27 @@ from gpulazy.spec import ChunkSpec
 __all__ = ["read_chunk", "read_chunks", "start_chunks", "finish_chunks", "PendingChunk", "submit_chunk", "decode"]
 
 
-def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None) -> tuple[ReadFuture, Any]:
-    """Start reading ``spec`` into ``out`` (allocated on the backend's device if ``None``)."""
+def submit_chunk(spec: ChunkSpec, backend: Backend, out: Any = None, verify: bool = False
+                 ) -> tuple[ReadFuture, Any]:
+    """Start reading ``spec`` into ``out`` (allocated on the backend's device if ``None``).
+
+    ``verify``: the future's ``result()`` also checks the bytes against their checksums
+    (``gpulazy.checksums.VerifiedRead``) before anything decodes them.
+    """
     if spec.is_assembled:  # stored pieces: read into a buffer of their own, decoded by ``decode``
         out = None
     buf = out if out is not None else backend.device.empty(spec.nbytes)
-    return backend.submit(spec.ranges, buf), buf
+    return _checked(backend.submit(spec.ranges, buf), buf, spec, verify), buf
+
+
+def _checked(future: ReadFuture, buf: Any, spec: ChunkSpec, verify: bool) -> Any:
+    # Every read path submits through here: the one place a verified read's bytes are
+    # checked, after they land (the future's result) and before any decode.
+    if not verify:
+        return future
+    from gpulazy.checksums import VerifiedRead
+
+    return VerifiedRead(future, buf, spec)
 
 
 def read_chunk(spec: ChunkSpec, backend: Backend, out: Any = None, *, staged: bool | None = None) -> Any:
@@ -80,12 +95,15 @@ class PendingChunk:
         return decode(self.buf, self.spec, self.device)
 
 
-def start_chunks(specs: list[ChunkSpec], backend: Backend, *, staged: bool | None = None) -> list[PendingChunk]:
-    """Start reading ``specs`` in one submission from this thread; returns at once."""
+def start_chunks(specs: list[ChunkSpec], backend: Backend, *, staged: bool | None = None,
+                 verify: bool = False) -> list[PendingChunk]:
+    """Start reading ``specs`` in one submission from this thread; returns at once.
+
+    ``verify``: as in ``submit_chunk``."""
     dev = backend.device
     bufs = [dev.empty(s.nbytes) for s in specs]
     futures = backend.submit_many([(s.ranges, b) for s, b in zip(specs, bufs)], staged=staged)
-    return [PendingChunk(s, f, b, dev) for s, f, b in zip(specs, futures, bufs)]
+    return [PendingChunk(s, _checked(f, b, s, verify), b, dev) for s, f, b in zip(specs, futures, bufs)]
 
 
 def decode(buf: Any, spec: ChunkSpec, device: Device) -> Any:

@@ -46,12 +46,14 @@ def _vol(folder, **kw):
 
 
 def _flip_on_disk(path, at):
+    """Flip byte ``at`` of ``path`` and set its mtime back (size and mtime alone cannot tell)."""
     st = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(at)
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x55]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(path).st_size == st.st_size
 
 

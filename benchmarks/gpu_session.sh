@@ -11,7 +11,7 @@ python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import gpulazy, subprocess
 subprocess.run(["python3", "-m", "gpulazy", "info"])
 PY
-[ -n "${SKIP_TESTS:-}" ] || timeout ${GPU_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra --timeout=120" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests.log"
+[ -n "${SKIP_TESTS:-}" ] || timeout ${GPU_TEST_TIMEOUT:-240} python3 -m pytest -m "gpu and not slow" -q -p no:cacheprovider --durations=15 -o addopts="-ra --timeout=120" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests.log"
 [ -n "${SKIP_NOTEBOOKS:-}" ] || timeout ${NB_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_notebooks.py 2>&1 | tee "$OUT/notebooks.log"
 ls test-artifacts/*.ipynb >/dev/null 2>&1 && tar czf "$OUT/executed-notebooks.tgz" test-artifacts/*.ipynb
 [ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -11,6 +11,23 @@ from gpulazy.device import gpu_count, gpu_unavailable_reason
 HAS_GPU = gpu_count() > 0
 
 
+def pytest_sessionstart(session):
+    """On a GPU host, compile CuPy's common reduction kernels before any test's timeout runs.
+
+    A fresh machine has no CuPy kernel cache: the first ``sum`` of a dtype compiles CUB's
+    reduction with NVRTC, which took over 40 s on an H100 host (a test timed out inside it).
+    That is the machine warming up, not the code under test.
+    """
+    if not HAS_GPU:
+        return
+    import cupy
+
+    for dt in ("int32", "int64", "uint16", "uint8", "float32", "float64"):
+        a = cupy.arange(1024, dtype=dt)
+        a.sum(), a.max(), a.min(), a.astype("float64").mean()
+    cupy.cuda.Device(0).synchronize()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return

@@ -38,7 +38,7 @@ from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import c_ranges, check_dtype, check_order, check_shape
 from gpulazy.layouts._grid import grid_chunks, grid_specs
-from gpulazy.spec import ByteRange, ChunkSpec, Codec
+from gpulazy.spec import ByteRange, ChunkSpec, Codec, FileIdentity
 
 __all__ = ["TiffLayout"]
 
@@ -136,7 +136,7 @@ class _Found:
     """One series level of one file: its shape, pieces, codec and metadata."""
 
     path: str
-    identity: tuple[str, int, int]
+    identity: FileIdentity            # of the file, as stat'ed before tifffile parsed it
     shape: tuple[int, ...]
     axes: str
     dtype: np.dtype                   # in the file, byte order included
@@ -168,7 +168,7 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
                 if not 0 <= lv < len(s.levels):
                     raise LayoutError(f"TIFF {path!r} series {series} has {len(s.levels)} pyramid level(s); "
                                       f"level={lv} does not exist")
-                found.append(_level(path, (path, st.st_size, st.st_mtime_ns), s.levels[lv],
+                found.append(_level(path, FileIdentity.from_stat(path, st), s.levels[lv],
                                     _level_metadata(meta, s, s.levels[lv])))
             return found
     except LayoutError:
@@ -188,7 +188,7 @@ def _series(tif: Any, path: str, series: int) -> Any:
     return all_series[series]
 
 
-def _level(path: str, identity: tuple, s: Any, meta: dict) -> _Found:
+def _level(path: str, identity: FileIdentity, s: Any, meta: dict) -> _Found:
     kf = s.keyframe
     dtype = _file_dtype(kf, path, tif_byteorder=s.parent.byteorder)
     geometry = _geometry(kf, path)
@@ -203,9 +203,9 @@ def _level(path: str, identity: tuple, s: Any, meta: dict) -> _Found:
         if inserted is None:
             return _reshaped(path, identity, s, shape, dtype, codec, meta)
         npages = len(s)
-    _check_counts(path, identity[1], npages, geometry.nsegments, kf.nbytes if truncated else 0)
+    _check_counts(path, identity.size, npages, geometry.nsegments, kf.nbytes if truncated else 0)
     offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path, truncated)
-    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, codec)
+    _check_pieces(path, identity.size, offsets, counts, geometry, dtype, codec)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, codec,
                   kf.nodata if kf.nodata is not None else 0, codec_name, dict(meta), inserted)
 
@@ -230,7 +230,7 @@ def _inserted_axes(shape: tuple[int, ...], page_shape: tuple[int, ...], npages: 
     return tuple(sorted(inserted)) if math.prod(shape[: i + 1]) == npages else None
 
 
-def _reshaped(path: str, identity: tuple, s: Any, shape: tuple[int, ...], dtype: np.dtype, codec: Any,
+def _reshaped(path: str, identity: FileIdentity, s: Any, shape: tuple[int, ...], dtype: np.dtype, codec: Any,
               meta: dict) -> _Found:
     """A series whose shape is not whole pages stacked (tifffile reshapes, e.g. ``(1, 2, 1)``).
 
@@ -243,7 +243,7 @@ def _reshaped(path: str, identity: tuple, s: Any, shape: tuple[int, ...], dtype:
     geometry = _Geometry(shape, (1,) * len(shape), (0,) * len(shape), None, 1, whole=True)
     offsets = np.array([[s.dataoffset]], np.int64)
     counts = np.array([[nbytes]], np.int64)
-    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, None)
+    _check_pieces(path, identity.size, offsets, counts, geometry, dtype, None)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, None, 0, "none", dict(meta))
 
 
@@ -572,7 +572,7 @@ class _PageTable:
     """Every page of the array, in C order of the page axes: its file, pieces and raw start."""
 
     paths: list[str]              # per page
-    identity: dict[str, tuple]    # path -> (path, size, mtime_ns)
+    identity: dict[str, FileIdentity]  # path -> its identity
     offsets: np.ndarray           # (pages, segments)
     counts: np.ndarray
     starts: np.ndarray | None     # where each page's raw elements start, if every page is contiguous

@@ -254,8 +254,10 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
                             chunks=chunks, **layout_opts)
         if verify:
             from gpulazy.checksums import require_checksums
+            from gpulazy.integrity import check_absent_unlisted
 
             require_checksums(idx.specs.values())
+            check_absent_unlisted(idx.specs.values())  # a chunk file the manifest lists is not the fill value
         return _from_index(idx, dev, backend, cache_ref, verify)
 
 

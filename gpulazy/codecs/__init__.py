@@ -33,6 +33,7 @@ from gpulazy.codecs._pipeline import check_supported, decode_pieces, gpu_codecs
 from gpulazy.device import Device
 from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec, Tile
+from gpulazy.stats import record_fills
 
 __all__ = ["assemble", "assemble_batch", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
 
@@ -64,6 +65,7 @@ def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Devi
             for (k, tile, _, _), raw, want in zip(members, pieces, expected):
                 _check_size(raw, want, tile, np.dtype(specs[k].dtype))
                 _place(results[k], _typed(raw, np.dtype(specs[k].dtype), tile, device), tile)
+    record_fills(specs)  # pieces never written, handed out as the fill value: gpulazy.stats()["chunks_filled"]
     return results
 
 

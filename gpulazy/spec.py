@@ -132,6 +132,8 @@ class FileIdentity(NamedTuple):
 
     def changes(self) -> str | None:
         """What differs between this identity and the file at ``path`` now, or ``None``."""
+        if not self.exists and not os.access(self.path, os.F_OK):
+            return None  # still absent: os.access costs ~1 µs, a failing os.stat ~8 (it builds an exception)
         try:
             now = FileIdentity.of(self.path)
         except FileNotFoundError as e:

@@ -214,14 +214,17 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
         ``gpulazy index --checksum PATH``, or Zarr's ``crc32c`` codec) when read; a
         mismatch raises ``ChunkReadError``. Verified reads bypass the cache.
     **layout_opts
-        Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5); an
-        option the layout does not know raises ``TypeError`` naming it.
+        Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5,
+        ``missing="error"`` for Zarr: a chunk file that does not exist raises rather than
+        reading as the fill value); an option the layout does not know raises
+        ``TypeError`` naming it.
 
     Returns
     -------
     GpulazyArray
         A ``dask.array.Array`` with NumPy or CuPy ``meta``. Its graph name is
-        deterministic: the same files (path, size, mtime) give the same name.
+        deterministic: the same files (each one's ``FileIdentity``: path, size, mtime,
+        inode, ctime) give the same name; a file rewritten or replaced gives another.
 
     Raises
     ------

@@ -218,14 +218,17 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
         the layout's metadata are checked here. A mismatch raises ``ChunkReadError``.
         Verified reads bypass the cache (``gpulazy.checksums``).
     **layout_opts
-        Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5); an
-        option the layout does not know raises ``TypeError`` naming it.
+        Options of the chosen layout (e.g. ``dataset="/entry/data"`` for HDF5,
+        ``missing="error"`` for Zarr: a chunk file that does not exist raises rather than
+        reading as the fill value); an option the layout does not know raises
+        ``TypeError`` naming it.
 
     Returns
     -------
     GpulazyArray
         A ``dask.array.Array`` with NumPy or CuPy ``meta``. Its graph name is
-        deterministic: the same files (path, size, mtime) give the same name.
+        deterministic: the same files (each one's ``FileIdentity``: path, size, mtime,
+        inode, ctime) give the same name; a file rewritten or replaced gives another.
 
     Raises
     ------
@@ -258,8 +261,10 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
                             chunks=chunks, **layout_opts)
         if verify:
             from gpulazy.checksums import require_checksums
+            from gpulazy.integrity import check_absent_unlisted
 
             require_checksums(idx.specs.values())
+            check_absent_unlisted(idx.specs.values())  # a chunk file the manifest lists is not the fill value
         return _from_index(idx, dev, backend, cache_ref, verify)
 
 

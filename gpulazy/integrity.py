@@ -1,7 +1,9 @@
 """Every byte handed out is the file's, as it was indexed, or the read raises.
 
-A ``ChunkSpec`` carries the ``file_identity`` (path, size, mtime, inode, ctime) of each
-file it reads, taken when the files were indexed. ``checked_read`` stats those files
+A ``ChunkSpec`` carries the ``FileIdentity`` (path, size, mtime, inode, ctime) of each
+file it depends on, taken when the files were indexed: the files it reads, the files whose
+absence made a piece its fill value (a Zarr chunk never written: it must still be absent)
+and metadata files that describe its bytes. ``checked_read`` stats those files
 before a read (a cached or prefetched chunk of a file that changed since is never
 served, and a file replaced by a FIFO is never opened) and again after it (a file
 written during the read may have given mixed bytes), and raises ``ChunkReadError``
@@ -25,19 +27,17 @@ True True
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable
 
 from gpulazy.errors import ChunkReadError
-from gpulazy.spec import ChunkSpec, identity_from_stat
+from gpulazy.spec import ChunkSpec, FileIdentity
 
-__all__ = ["check_unchanged", "check_all_unchanged", "as_read_error", "checked_read", "checked_start"]
-
-_FIELDS = ("path", "size", "mtime_ns", "inode", "ctime_ns")
-
+__all__ = ["check_unchanged", "check_all_unchanged", "check_absent_unlisted", "as_read_error", "checked_read",
+           "checked_start"]
 
 def check_unchanged(spec: ChunkSpec) -> None:
-    """Raise ``ChunkReadError`` if a file of ``spec`` is gone or differs from its indexed identity."""
+    """Raise ``ChunkReadError`` if a file of ``spec`` is gone, differs from its indexed identity,
+    or (indexed as absent: a piece read as the fill value) exists now."""
     for ident in spec.identity:
         _check_identity(ident, spec)
 
@@ -52,26 +52,59 @@ def check_all_unchanged(specs: Iterable[ChunkSpec]) -> None:
                 seen.add(ident)
 
 
+def check_absent_unlisted(specs: Iterable[ChunkSpec]) -> None:
+    """Raise ``ChunkReadError`` for a file indexed as absent (read as the fill value) that a
+    checksum manifest lists: the manifest says it held bytes, so it was lost (``verify=True``)."""
+    from gpulazy.checksums import manifest_entry
+
+    seen: set[str] = set()
+    for spec in specs:
+        for ident in spec.identity:
+            if isinstance(ident, FileIdentity) and not ident.exists and ident.path not in seen:
+                seen.add(ident.path)
+                entry = manifest_entry(ident.path)
+                if entry is not None:
+                    raise _lost(spec, ident.path, entry)
+
+
 def _check_identity(ident: tuple, spec: ChunkSpec) -> None:
-    path = ident[0]
+    if not isinstance(ident, FileIdentity):  # specs made by hand may carry a plain tuple, even a shorter one
+        ident = _as_identity(ident)
+    what = ident.changes()
+    if what is not None:
+        raise _changed(spec, ident.path, what)
+
+
+def _as_identity(ident: tuple) -> FileIdentity:
     try:
-        st = os.stat(path)
-    except OSError as e:
-        raise _changed(spec, path, f"it can no longer be found ({type(e).__name__}: {e.strerror or e})") from e
-    now = identity_from_stat(path, st)[: len(ident)]  # specs made by hand may carry fewer fields
-    if now != tuple(ident):
-        what = ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(_FIELDS, ident, now) if a != b)
-        raise _changed(spec, path, what)
+        now = FileIdentity.of(ident[0])
+    except OSError:
+        return FileIdentity(ident[0], *ident[1:], *(0,) * (5 - len(ident)))  # gone: ``changes`` says so
+    return FileIdentity(*ident, *now[len(ident):])  # the fields it lacks are taken as they are now
+
+
+def _range_of(spec: ChunkSpec, path: str) -> tuple[int | None, int | None]:
+    r = next((r for r in spec.ranges if r.path == path), None)
+    return (r.offset, r.nbytes) if r is not None else (None, None)
 
 
 def _changed(spec: ChunkSpec, path: str, what: str) -> ChunkReadError:
-    r = next((r for r in spec.ranges if r.path == path), spec.ranges[0] if spec.ranges else None)
-    offset, nbytes = (r.offset, r.nbytes) if r is not None else (None, None)
+    offset, nbytes = _range_of(spec, path)
     where = f"chunk {spec.index} " if spec.index else ""
+    which = f"(offset {offset}, {nbytes} bytes)" if offset is not None else "(a file the chunk depends on)"
     return ChunkReadError(
-        f"{where}of {path!r} (offset {offset}, {nbytes} bytes): the file changed since it was indexed ({what}); "
+        f"{where}of {path!r} {which}: the file changed since it was indexed ({what}); "
         "nothing was served from it. Call from_files again to read the file as it is now",
         path=path, offset=offset, expected=nbytes)
+
+
+def _lost(spec: ChunkSpec, path: str, entry: Any) -> ChunkReadError:
+    where = f"chunk {spec.index}" if spec.index else "a chunk"
+    return ChunkReadError(
+        f"{where} needs {path!r}, which does not exist, but the checksum manifest {entry.manifest!r} lists it "
+        f"with {entry.size} bytes: the file was lost (without verify=True it would read as the fill value). "
+        "Restore it, or write the manifest again with gpulazy index --checksum if its absence is intended",
+        path=path, expected=entry.size)
 
 
 def as_read_error(error: BaseException, spec: ChunkSpec) -> BaseException:

@@ -2,8 +2,8 @@
 
 A spec is a value: frozen, slotted, picklable and tokenizable, so dask graph names are
 deterministic and tasks travel to ``dask.distributed`` workers. Its ``key`` includes the
-identity of every file read (path, size, mtime, inode, ctime), so a changed file never hits a
-stale cache entry (napari's dask cache is global and keyed by task key).
+``FileIdentity`` (path, size, mtime, inode, ctime) of every file it depends on, so a changed
+file never hits a stale cache entry (napari's dask cache is global and keyed by task key).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["ByteRange", "Codec", "Tile", "ChunkSpec", "file_identity", "identity_from_stat"]
+__all__ = ["ByteRange", "Codec", "Tile", "ChunkSpec", "FileIdentity", "file_identity", "identity_from_stat"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,21 +90,71 @@ class Tile:
     order: str = "C"
 
 
-def file_identity(path: str) -> tuple[str, int, int, int, int]:
-    """``(path, size, mtime_ns, inode, ctime_ns)``: what makes a file's bytes the same bytes as before.
+class FileIdentity(NamedTuple):
+    """What makes a file's bytes the same bytes as before: the one identity every layout records.
 
     Size and mtime alone are not enough: ``rsync -t``, ``cp -p`` and ``tar`` rewrite a
     file and set its mtime back. The inode changes when a file is replaced (a rename
     over it, a new file of the same name) and the ctime on every write to it, and no
     tool can set the ctime back. (The ctime ticks at the kernel's timestamp granularity,
     a few milliseconds on older kernels: two writes within one tick look alike.)
+
+    A file that did not exist when indexed (a Zarr chunk never written, read as its
+    fill value) has ``size == -1`` (``FileIdentity.absent``): it must still be absent
+    when read. A tuple, so it pickles, tokenizes and compares as one; ``st_dev`` is left
+    out on purpose, as it differs between hosts that mount the same network file system.
     """
-    return identity_from_stat(path, os.stat(path))
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str) -> FileIdentity:
+        """The identity of ``path`` now (``os.stat``; raises ``OSError`` as it does)."""
+        return cls.from_stat(path, os.stat(path))
+
+    @classmethod
+    def from_stat(cls, path: str, st: os.stat_result) -> FileIdentity:
+        """The identity of ``path`` from a ``stat`` result already at hand (``os.scandir``'s)."""
+        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+    @classmethod
+    def absent(cls, path: str) -> FileIdentity:
+        """``path`` did not exist when indexed."""
+        return cls(path, -1, 0, 0, 0)
+
+    @property
+    def exists(self) -> bool:
+        return self.size >= 0
+
+    def changes(self) -> str | None:
+        """What differs between this identity and the file at ``path`` now, or ``None``."""
+        if not self.exists and not os.access(self.path, os.F_OK):
+            return None  # still absent: os.access costs ~1 µs, a failing os.stat ~8 (it builds an exception)
+        try:
+            now = FileIdentity.of(self.path)
+        except FileNotFoundError as e:
+            return None if not self.exists else f"it can no longer be found ({e.strerror or e})"
+        except OSError as e:
+            return f"it can no longer be read ({type(e).__name__}: {e.strerror or e})"
+        if not self.exists:
+            return f"it did not exist when indexed (it read as the fill value) and now has {now.size} bytes"
+        if now == self:
+            return None
+        return ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(self._fields[1:], self[1:], now[1:]) if a != b)
 
 
-def identity_from_stat(path: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
-    """``file_identity`` from a ``stat`` result already at hand."""
-    return (path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+def file_identity(path: str) -> FileIdentity:
+    """``FileIdentity.of(path)``: ``(path, size, mtime_ns, inode, ctime_ns)`` of ``path`` now."""
+    return FileIdentity.of(path)
+
+
+def identity_from_stat(path: str, st: os.stat_result) -> FileIdentity:
+    """``FileIdentity.from_stat``: the identity from a ``stat`` result already at hand."""
+    return FileIdentity.from_stat(path, st)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +179,8 @@ class ChunkSpec:
         ...))``), or ``None`` for raw bytes. Applies to each tile (or, without tiles, to the
         concatenated bytes as one stored piece).
     identity
-        ``file_identity`` of each file read, ``(path, size, mtime_ns, inode, ctime_ns)``;
+        The ``FileIdentity`` of each file the chunk depends on: those read, the files whose
+        absence made a piece the fill value, and metadata files that describe the bytes;
         part of ``key``. Reads check it: a file changed since indexing raises.
     index
         The chunk's block index in its array (informational; not part of ``key``).
@@ -145,7 +197,7 @@ class ChunkSpec:
     dtype: str
     order: str = "C"
     codec: tuple[Codec, ...] | None = None
-    identity: tuple[tuple, ...] = ()
+    identity: tuple[FileIdentity, ...] = ()
     index: tuple[int, ...] = ()
     tiles: tuple[Tile, ...] = ()
     fill_value: object = 0
@@ -155,7 +207,8 @@ class ChunkSpec:
         h = hashlib.blake2b(digest_size=16)
         # Plain tuples: their repr runs in C, ~3x faster than the dataclasses' (100k-chunk graphs).
         ranges = tuple((r.path, r.offset, r.nbytes) for r in self.ranges)
-        parts = (ranges, self.shape, self.dtype, self.order, self.codec, self.identity)
+        identity = tuple(map(tuple, self.identity))  # FileIdentity's repr is Python's, a tuple's C's
+        parts = (ranges, self.shape, self.dtype, self.order, self.codec, identity)
         if self.tiles:
             parts += (tuple((t.range is not None, t.shape, t.origin, t.order) for t in self.tiles),
                       repr(self.fill_value))

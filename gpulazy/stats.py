@@ -2,7 +2,9 @@
 
 The one source every display reads (dashboard, napari dock, CLI, bench). Backends call
 ``record_read`` once per completed read, ``gpulazy.codecs`` calls ``record_decode`` once per
-decoded batch and step; readers call ``snapshot()`` from any thread.
+decoded batch and step and ``record_fills`` for the stored chunks it filled with their fill
+value (never written: a Zarr chunk file that does not exist, an unallocated HDF5 chunk, a
+sparse TIFF tile); readers call ``snapshot()`` from any thread.
 
 >>> import gpulazy
 >>> s = gpulazy.stats()            # the process-wide Stats
@@ -16,9 +18,9 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-__all__ = ["Stats", "ReadEvent", "stats", "default_stats"]
+__all__ = ["Stats", "ReadEvent", "stats", "default_stats", "record_fills"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class Stats:
             self._errors = 0
             self._oom: dict[str, int] = {}
             self._decodes: dict[tuple[str, str], _DecodeTotals] = {}
+            self._filled = 0
             self._started = time.monotonic()
 
     def record_read(self, *, nbytes: int, seconds: float, backend: str, mode: str, device: str) -> None:
@@ -98,6 +101,11 @@ class Stats:
         (``"gpu"`` or ``"host"``) for ``device``: ``nbytes`` decoded bytes in ``seconds``."""
         with self._lock:
             self._decodes.setdefault((codec, where), _DecodeTotals()).add(int(nbytes), float(seconds))
+
+    def record_filled(self, count: int) -> None:
+        """Count ``count`` stored chunks read as their fill value, never having been written."""
+        with self._lock:
+            self._filled += int(count)
 
     def record_error(self) -> None:
         with self._lock:
@@ -144,12 +152,14 @@ class Stats:
             errors = self._errors
             oom = dict(self._oom)
             decodes = {k: v.as_dict() for k, v in self._decodes.items()}
+            filled = self._filled
         return {
             "oom_recoveries": oom,
             "bytes_read": sum(b["bytes"] for b in by_backend.values()),
             "reads": sum(b["reads"] for b in by_backend.values()),
             "read_seconds": sum(b["seconds"] for b in by_backend.values()),
             "errors": errors,
+            "chunks_filled": filled,
             "by_backend": by_backend,
             "throughput": self.throughput(),
             "last_backend": last.backend if last else None,
@@ -193,6 +203,15 @@ def _decode_figures(decodes: dict[tuple[str, str], dict[str, Any]]) -> dict[str,
 
 
 _default = Stats()
+
+
+def record_fills(specs: Iterable[Any]) -> None:
+    """Count the stored chunks of ``specs`` (``ChunkSpec``) that never were written and so are
+    handed out as their fill value (``snapshot()["chunks_filled"]``): a Zarr chunk file that
+    does not exist reads as the Zarr spec says, but a user who lost a file can see it here."""
+    count = sum(1 for spec in specs for t in spec.tiles if t.range is None)
+    if count:
+        _default.record_filled(count)
 
 
 def default_stats() -> Stats:

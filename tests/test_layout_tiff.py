@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
+import struct
 
 import numpy as np
 import pytest
@@ -392,6 +394,80 @@ def test_truncated_file_names_the_file(tmp_path):
     path.write_bytes(data[:6])  # not even a whole header
     with pytest.raises(LayoutError, match="cut.tif"):
         _open(str(path), layout="tiff")
+
+
+# -- truncated multi-page files: never opened as their first pages -------------------------------
+
+_MULTIPAGE = {  # (tifffile options, what the message says the metadata declares)
+    "ome": ({"ome": True, "metadata": {"axes": "TZYX"}}, None),  # OME-XML is written last: a cut loses it
+    "imagej": ({"imagej": True, "metadata": {"axes": "TZYX"}}, r"ImageJ metadata \(images=\) declares 15 page"),
+    "tiled": ({"tile": (16, 16), "photometric": "minisblack"}, r"shape metadata \(5, 3, 32, 48\) declares 15 page"),
+    "strips-no-metadata": ({"metadata": None, "photometric": "minisblack", "rowsperstrip": 8}, None),
+    "ome-tiled-zlib": ({"ome": True, "tile": (16, 16), "compression": "zlib", "metadata": {"axes": "TZYX"}}, None),
+}
+
+
+def _cut_points(path):
+    """Where page 7's data ends (a page boundary) and 100 bytes into what follows."""
+    with tifffile.TiffFile(path) as tif:
+        assert len(tif.pages) == 15
+        page = tif.pages[7]
+        end = page.dataoffsets[-1] + page.databytecounts[-1]
+    return {"page-boundary": end, "mid-page": end + 100}
+
+
+@pytest.mark.parametrize("cut", ["page-boundary", "mid-page"])
+@pytest.mark.parametrize("kind", list(_MULTIPAGE))
+def test_truncated_multipage_file_is_refused_not_opened_as_its_first_pages(tmp_path, kind, cut, capsys):
+    opts, declared = _MULTIPAGE[kind]
+    whole = str(tmp_path / "whole.tif")
+    tifffile.imwrite(whole, _random((5, 3, 32, 48), "uint16"), **opts)
+    path = str(tmp_path / "cut.tif")
+    with open(whole, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: _cut_points(whole)[cut]])
+    with pytest.raises(LayoutError) as info:
+        _open(path)
+    msg = str(info.value)
+    assert repr(path) in msg
+    if "parse the TIFF header" not in msg:  # tifffile itself gives up on some cuts ("corrupted IFD structure")
+        assert "truncated" in msg and re.search(r"after \d+ page\(s\)", msg)
+    if declared is not None:
+        assert re.search(declared, msg), msg
+    from gpulazy.cli import main
+
+    assert main(["info", path, "--device", "cpu"]) != 0  # gpulazy info says so too, not a 2-D shape
+    out, err = capsys.readouterr()
+    assert "cut.tif" in out + err and "shape: (32, 48)" not in out
+
+
+def _end_chain_after(path, page_index):
+    """Set the next-IFD offset of page ``page_index`` to 0: a well-formed file with fewer pages."""
+    with tifffile.TiffFile(path) as tif:
+        offset = tif.pages[page_index].offset
+        assert tif.byteorder == "<" and not tif.is_bigtiff
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        (ntags,) = struct.unpack("<H", f.read(2))
+        f.seek(offset + 2 + 12 * ntags)
+        f.write(struct.pack("<I", 0))
+
+
+@pytest.mark.parametrize("kind, declared", [
+    ("imagej", "ImageJ metadata \\(images=\\) declares 15"),
+    ("ome", "OME-XML declares 15 page"),
+    ("tiled", "shape metadata .* declares 15"),
+])
+def test_metadata_declaring_more_pages_than_the_file_holds_is_refused(tmp_path, kind, declared):
+    path = str(tmp_path / "short.tif")
+    tifffile.imwrite(path, _random((5, 3, 32, 48), "uint16"), **_MULTIPAGE[kind][0])
+    _end_chain_after(path, 7)  # 8 pages left, the metadata unchanged
+    with tifffile.TiffFile(path) as tif:
+        assert len(tif.pages) == 8
+    with pytest.raises(LayoutError, match=declared) as info:
+        _open(path)
+    assert repr(path) in str(info.value)
 
 
 def test_byte_counts_that_do_not_match(tmp_path):

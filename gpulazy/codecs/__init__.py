@@ -38,6 +38,7 @@ import numpy as np
 from gpulazy.codecs._pipeline import check_supported, decode_pieces, gpu_codecs
 from gpulazy.device import Device, own_stream
 from gpulazy.spec import ChunkSpec, Tile
+from gpulazy.stats import record_fills
 
 __all__ = ["assemble", "assemble_batch", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
 
@@ -72,6 +73,7 @@ def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Devi
                                    where=[t.range for _, t, _, _ in members])
             for (k, tile, _, _), raw in zip(members, pieces):  # each exactly its tile's bytes
                 _place(results[k], _typed(raw, np.dtype(specs[k].dtype), tile, device), tile)
+    record_fills(specs)  # pieces never written, handed out as the fill value: gpulazy.stats()["chunks_filled"]
     return results
 
 

@@ -4,9 +4,9 @@ Opening a file per read costs a system call and, with KvikIO, a ``CuFile`` (a cu
 handle registration attempt) per read; a volume of thousands of tiles reads the same
 files again and again. Handles stay open here, least recently used closed first, and a
 handle is never closed while a read uses it (reference counts). Before each use the
-file is ``stat``-ed: a different inode, device, size or modification time (the file was
-replaced, truncated or rewritten) retires the old handle and opens the file anew, so a
-cached handle never reads a file that is no longer the one at that path.
+file is ``stat``-ed: a different device or ``FileIdentity`` (inode, size, mtime, ctime: the
+file was replaced, truncated or rewritten) retires the old handle and opens the file anew,
+so a cached handle never reads a file that is no longer the one at that path.
 
 Hand-written rather than ``functools.lru_cache``: entries need reference counts and a
 validity check on every use.
@@ -18,6 +18,8 @@ import os
 import threading
 from collections import OrderedDict
 from typing import Any, Callable
+
+from gpulazy.spec import FileIdentity
 
 __all__ = ["HandleCache", "Handle"]
 
@@ -31,8 +33,10 @@ class Handle:
         self.path, self.obj, self.ident, self.refs, self.retired = path, obj, ident, 0, False
 
 
-def _ident(st: os.stat_result) -> tuple:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _ident(path: str, st: os.stat_result) -> tuple[int, FileIdentity]:
+    # The device too: this process's handle must be for this mount's file (a FileIdentity
+    # leaves st_dev out, as it travels between hosts).
+    return (st.st_dev, FileIdentity.from_stat(path, st))
 
 
 class HandleCache:
@@ -68,7 +72,7 @@ class HandleCache:
 
     def acquire(self, path: str) -> Handle:
         """An open handle of ``path`` as it is now; give it back with ``release``."""
-        ident = _ident(os.stat(path))  # FileNotFoundError etc. reach the caller
+        ident = _ident(path, os.stat(path))  # FileNotFoundError etc. reach the caller
         retired = None
         with self._lock:
             h = self._handles.get(path)

@@ -20,7 +20,7 @@ import numpy as np
 from gpulazy import config
 from gpulazy.errors import LayoutError, NoFilesError
 from gpulazy.layouts._base import Index
-from gpulazy.spec import ByteRange, ChunkSpec
+from gpulazy.spec import ByteRange, ChunkSpec, FileIdentity
 
 __all__ = [
     "resolve_paths",
@@ -377,11 +377,11 @@ def stacks(stack: bool | None, files: Sequence[Any]) -> bool:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file: its path, where its elements start, and its identity for cache keys."""
+    """One file: its path, where its elements start, and its identity (chunk keys, checks on reading)."""
 
     path: str
     offset: int
-    identity: tuple[str, int, int]
+    identity: FileIdentity
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from gpulazy import config
 from gpulazy.layouts._common import coalesce, normalize_chunks, slab_sizes
-from gpulazy.spec import ByteRange, ChunkSpec, Codec, Tile
+from gpulazy.spec import ByteRange, ChunkSpec, Codec, FileIdentity, Tile
 
 __all__ = ["grid_chunks", "grid_specs"]
 
@@ -57,7 +57,8 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
                dtype: np.dtype, tile_at: Callable[[tuple[int, ...]], ByteRange | None],
                codec: tuple[Codec, ...] | None = None, fill_value: Any = 0, order: str = "C",
                tile_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
-               identity: Callable[[str], tuple[str, int, int]] | None = None,
+               identity: Callable[[str], FileIdentity] | None = None,
+               absent: Callable[[tuple[int, ...]], FileIdentity | None] | None = None,
                ) -> dict[tuple[int, ...], ChunkSpec]:
     """One ``ChunkSpec`` per block of ``chunks`` (from ``grid_chunks``).
 
@@ -79,12 +80,16 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
         Grid index -> shape its bytes decode to (default ``stored``; a TIFF's last strip
         is shorter).
     identity
-        Path -> ``(path, size, mtime_ns)``, for the chunk keys (default: ``os.stat``).
+        Path -> its ``FileIdentity``, for the chunk keys and the checks on reading
+        (default: ``FileIdentity.of``, once per file).
+    absent
+        Grid index of a piece never written -> the ``FileIdentity.absent`` of the file
+        whose absence makes it so (a Zarr chunk file: if it appears later, the chunk is
+        stale), or ``None`` when a file already in the identity says so (a shard's index,
+        an HDF5 chunk table, a TIFF's byte counts).
     """
-    from gpulazy.spec import file_identity
-
     shape, stored = tuple(shape), tuple(max(1, s) for s in stored)
-    ident = identity or functools.cache(file_identity)  # one stat per file, not per tile
+    ident = identity or functools.cache(FileIdentity.of)  # one stat per file, not per tile
     dt = np.dtype(dtype).str
     edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
     specs: dict[tuple[int, ...], ChunkSpec] = {}
@@ -92,24 +97,29 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
         start = tuple(edges[a][i] for a, i in enumerate(idx))
         stop = tuple(edges[a][i + 1] for a, i in enumerate(idx))
         bshape = tuple(b - a for a, b in zip(start, stop))
-        tiles = []
+        tiles, gone = [], []
         for sidx in itertools.product(*(range(a // s, -(-b // s)) for a, b, s in zip(start, stop, stored))):
             tshape = tile_shape(sidx) if tile_shape is not None else stored
             origin = tuple(i * s - a for i, s, a in zip(sidx, stored, start))
-            tiles.append(Tile(tile_at(sidx), tuple(tshape), origin, order))
-        specs[idx] = _spec(tuple(tiles), bshape, dt, codec, fill_value, idx, ident)
+            r = tile_at(sidx)
+            if r is None and absent is not None:
+                gone.append(absent(sidx))
+            tiles.append(Tile(r, tuple(tshape), origin, order))
+        specs[idx] = _spec(tuple(tiles), bshape, dt, codec, fill_value, idx, ident,
+                           tuple(dict.fromkeys(g for g in gone if g is not None)))  # a shard: many pieces
     return specs
 
 
 def _spec(tiles: tuple[Tile, ...], bshape: tuple[int, ...], dt: str, codec: Any, fill_value: Any,
-          idx: tuple[int, ...], ident: Callable) -> ChunkSpec:
+          idx: tuple[int, ...], ident: Callable, also: tuple[FileIdentity, ...]) -> ChunkSpec:
     if not tiles:  # an empty block (a zero-length axis): nothing to read
         return ChunkSpec((), bshape, dt, "C", None, (), idx)
     present = [t.range for t in tiles if t.range is not None]
-    identity = tuple(ident(p) for p in dict.fromkeys(r.path for r in present))
+    paths = tuple(dict.fromkeys(r.path for r in present))
+    identity = tuple(ident(p) for p in paths) + also
     if codec is None and _in_order(tiles, bshape):
         # The stored bytes, concatenated, are the block's elements: a plain read, no assembly.
-        runs = coalesce((r.offset, r.nbytes) for r in present) if len(identity) == 1 else None
+        runs = coalesce((r.offset, r.nbytes) for r in present) if len(paths) == 1 else None
         ranges = (tuple(ByteRange(present[0].path, o, n) for o, n in runs) if runs is not None
                   else tuple(present))
         return ChunkSpec(ranges, bshape, dt, tiles[0].order, None, identity, idx)

@@ -38,7 +38,7 @@ from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import c_ranges, check_dtype, check_order, check_shape
 from gpulazy.layouts._grid import grid_chunks, grid_specs
-from gpulazy.spec import ByteRange, ChunkSpec, Codec
+from gpulazy.spec import ByteRange, ChunkSpec, Codec, FileIdentity
 
 __all__ = ["TiffLayout"]
 
@@ -136,7 +136,7 @@ class _Found:
     """One series level of one file: its shape, pieces, codec and metadata."""
 
     path: str
-    identity: tuple[str, int, int]
+    identity: FileIdentity            # of the file, as stat'ed before tifffile parsed it
     shape: tuple[int, ...]
     axes: str
     dtype: np.dtype                   # in the file, byte order included
@@ -160,7 +160,10 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
     st = os.stat(path)  # a missing or unreadable file is an OSError of its own (resolve_paths checked)
     try:
         with tifffile.TiffFile(path) as tif:
+            _check_ifd_chain(tif, path, st.st_size)
+            _check_declared_pages(tif, None, path)  # before tifffile builds series of what is there
             s = _series(tif, path, series)
+            _check_declared_pages(tif, s, path)
             chosen = range(len(s.levels)) if levels is None else levels
             meta = _metadata(tif, s, series)
             found = []
@@ -168,7 +171,7 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
                 if not 0 <= lv < len(s.levels):
                     raise LayoutError(f"TIFF {path!r} series {series} has {len(s.levels)} pyramid level(s); "
                                       f"level={lv} does not exist")
-                found.append(_level(path, (path, st.st_size, st.st_mtime_ns), s.levels[lv],
+                found.append(_level(path, FileIdentity.from_stat(path, st), s.levels[lv],
                                     _level_metadata(meta, s, s.levels[lv])))
             return found
     except LayoutError:
@@ -176,7 +179,80 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
     except Exception as e:
         # tifffile raises many kinds (TiffFileError, struct.error, IndexError, KeyError, ValueError,
         # OSError from a seek to a negative offset...) on a corrupt header: all mean the same here.
-        raise LayoutError(f"cannot parse the TIFF header of {path!r}: {type(e).__name__}: {e}") from e
+        raise LayoutError(f"cannot parse the TIFF header of {path!r} ({st.st_size} bytes): {type(e).__name__}: {e}; "
+                          "the file is truncated or corrupt") from e
+
+
+# -- pages the file lacks ----------------------------------------------------------------
+# tifffile reads what it can of a truncated file and logs the rest: a multi-page file cut
+# short opens as its first pages (often one 2-D page) and the metadata that declares the
+# others (OME-XML, ImageJ's ``images=``, tifffile's own shape) is lost or ignored. These
+# checks refuse such a file, saying what it declares and what it holds.
+
+def _check_ifd_chain(tif: Any, path: str, size: int) -> None:
+    """Raise when the chain of IFDs (page headers) goes on past the last one tifffile could read."""
+    found = len(tif.pages)  # follows the chain to its end or the first IFD it cannot read
+    at = tif.pages.next_page_offset  # where that last IFD stores the offset of the next (0: none)
+    fh, offsetsize = tif.filehandle, tif.tiff.offsetsize
+    fh.seek(at)
+    raw = fh.read(offsetsize)
+    if len(raw) == offsetsize:
+        import struct
+
+        nxt = struct.unpack(tif.tiff.offsetformat, raw)[0]
+        if nxt == 0:
+            return
+        where = f"continues at offset {nxt}, " + ("past its end" if nxt >= size else "where no IFD can be read")
+    else:
+        where = "is cut off in the middle of a page header"
+    raise LayoutError(f"TIFF {path!r} ({size} bytes) is truncated or corrupt: after {found} page(s) its chain of IFDs "
+                      f"(page headers) {where}{_declared_text(tif, tif.series[0] if tif.series else None)}; "
+                      "gpulazy does not open it as fewer pages. Copy or write the file again")
+
+
+def _check_declared_pages(tif: Any, s: Any, path: str) -> None:
+    """Raise when the metadata declares more pages (or a bigger shape) than series ``s`` holds
+    (``None``: than the file holds IFDs)."""
+    declared = _declared(tif, s)
+    if declared is None:
+        return
+    npages, what = declared
+    if s is None:
+        holds, where = len(tif.pages), "page(s)"
+    else:
+        holds = math.prod(s.shape) // (math.prod(s.keyframe.shape) or 1)
+        where = (f"page(s) of shape {tuple(s.keyframe.shape)} in its series (shape {tuple(s.shape)}, "
+                 f"{len(tif.pages)} page(s) in the file)")
+    if npages > holds:
+        raise LayoutError(f"TIFF {path!r} holds {holds} {where} but its {what} declares {npages}: the file is "
+                          "truncated or its metadata is wrong; gpulazy does not open it as fewer pages")
+
+
+def _declared(tif: Any, s: Any) -> tuple[int, str] | None:
+    """``(pages, whose metadata)`` that the file's metadata declares for series ``s``, if it does.
+
+    ImageJ's ``images=``: against the file's IFDs before the series are built (``s`` None;
+    one IFD may describe them all, so only when there are several), and against the series
+    unless tifffile made its ImageJ series of them (then the byte ranges are checked against
+    the file's size); tifffile's own ``{"shape": ...}``. OME-XML's SizeZ/SizeC/SizeT size
+    tifffile's OME series, whose pages the file lacks are ``None`` (``_pieces`` refuses them).
+    """
+    from tifffile.tifffile import shaped_description_metadata
+
+    try:
+        if tif.is_imagej and tif.imagej_metadata and (len(tif.pages) > 1 if s is None else s.kind != "imagej"):
+            return int(tif.imagej_metadata.get("images", 1)), "ImageJ metadata (images=)"
+        if s is not None and s.kind == "shaped" and s.keyframe.shaped_description:
+            shape = shaped_description_metadata(s.keyframe.shaped_description)["shape"]
+            return math.prod(shape) // (math.prod(s.keyframe.shape) or 1), f"shape metadata {tuple(shape)}"
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None  # metadata that cannot be read declares nothing
+    return None
+
+
+def _declared_text(tif: Any, s: Any) -> str:
+    declared = _declared(tif, s) if s is not None else None
+    return f"; its {declared[1]} declares {declared[0]} page(s)" if declared else ""
 
 
 def _series(tif: Any, path: str, series: int) -> Any:
@@ -188,7 +264,7 @@ def _series(tif: Any, path: str, series: int) -> Any:
     return all_series[series]
 
 
-def _level(path: str, identity: tuple, s: Any, meta: dict) -> _Found:
+def _level(path: str, identity: FileIdentity, s: Any, meta: dict) -> _Found:
     kf = s.keyframe
     dtype = _file_dtype(kf, path, tif_byteorder=s.parent.byteorder)
     geometry = _geometry(kf, path)
@@ -203,9 +279,9 @@ def _level(path: str, identity: tuple, s: Any, meta: dict) -> _Found:
         if inserted is None:
             return _reshaped(path, identity, s, shape, dtype, codec, meta)
         npages = len(s)
-    _check_counts(path, identity[1], npages, geometry.nsegments, kf.nbytes if truncated else 0)
+    _check_counts(path, identity.size, npages, geometry.nsegments, kf.nbytes if truncated else 0)
     offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path, truncated)
-    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, codec)
+    _check_pieces(path, identity.size, offsets, counts, geometry, dtype, codec)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, codec,
                   kf.nodata if kf.nodata is not None else 0, codec_name, dict(meta), inserted)
 
@@ -230,7 +306,7 @@ def _inserted_axes(shape: tuple[int, ...], page_shape: tuple[int, ...], npages: 
     return tuple(sorted(inserted)) if math.prod(shape[: i + 1]) == npages else None
 
 
-def _reshaped(path: str, identity: tuple, s: Any, shape: tuple[int, ...], dtype: np.dtype, codec: Any,
+def _reshaped(path: str, identity: FileIdentity, s: Any, shape: tuple[int, ...], dtype: np.dtype, codec: Any,
               meta: dict) -> _Found:
     """A series whose shape is not whole pages stacked (tifffile reshapes, e.g. ``(1, 2, 1)``).
 
@@ -243,7 +319,7 @@ def _reshaped(path: str, identity: tuple, s: Any, shape: tuple[int, ...], dtype:
     geometry = _Geometry(shape, (1,) * len(shape), (0,) * len(shape), None, 1, whole=True)
     offsets = np.array([[s.dataoffset]], np.int64)
     counts = np.array([[nbytes]], np.int64)
-    _check_pieces(path, identity[1], offsets, counts, geometry, dtype, None)
+    _check_pieces(path, identity.size, offsets, counts, geometry, dtype, None)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, None, 0, "none", dict(meta))
 
 
@@ -317,9 +393,12 @@ def _pieces(s: Any, kf: Any, npages: int, nseg: int, path: str, truncated: bool
         offsets[:] = first[None, :] + step * np.arange(npages, dtype=np.int64)[:, None]
         counts[:] = np.asarray(kf.databytecounts, np.int64)[None, :]
         return offsets, counts
+    lacking = [i for i, page in enumerate(s) if page is None]
+    if lacking:  # an OME series whose IFDs the file lacks: tifffile would read them as zeros
+        raise LayoutError(f"TIFF {path!r}: its OME-XML declares {len(s)} page(s) for series shape {tuple(s.shape)} "
+                          f"but {len(lacking)} of them (page {lacking[0]} first) are not in the file "
+                          f"({len(s.parent.pages)} page(s) found); the file is truncated or its metadata is wrong")
     for i, page in enumerate(s):
-        if page is None:
-            continue
         if page.parent is not s.parent:  # multi-file OME-TIFF: this page's offsets are in another file
             raise LayoutError(f"TIFF {path!r} is a multi-file OME-TIFF (page {i} lies in "
                               f"{page.parent.filehandle.path!r}); not supported yet: open a single-file one")
@@ -572,7 +651,7 @@ class _PageTable:
     """Every page of the array, in C order of the page axes: its file, pieces and raw start."""
 
     paths: list[str]              # per page
-    identity: dict[str, tuple]    # path -> (path, size, mtime_ns)
+    identity: dict[str, FileIdentity]  # path -> its identity
     offsets: np.ndarray           # (pages, segments)
     counts: np.ndarray
     starts: np.ndarray | None     # where each page's raw elements start, if every page is contiguous

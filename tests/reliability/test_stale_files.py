@@ -19,7 +19,7 @@ import fault_backend
 import gpulazy
 from gpulazy.cache import default_cache
 from gpulazy.errors import ChunkReadError
-from gpulazy.spec import file_identity
+from gpulazy.spec import FileIdentity, file_identity
 
 SHAPE = (8, 64)
 
@@ -83,6 +83,26 @@ def test_identity_changes_when_size_and_mtime_are_restored(raw, change):
     after = file_identity(raw)
     assert before[:3] == after[:3]  # path, size, mtime: all the same
     assert before != after          # inode or ctime tells them apart
+
+
+def test_file_identity_is_one_picklable_tokenizable_value(raw, tmp_path):
+    import pickle
+
+    from dask.base import tokenize
+
+    ident = FileIdentity.of(raw)
+    st = os.stat(raw)
+    assert ident == (raw, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns) == file_identity(raw)
+    assert (ident.path, ident.size, ident.inode) == (raw, st.st_size, st.st_ino) and ident.exists
+    assert pickle.loads(pickle.dumps(ident)) == ident and type(pickle.loads(pickle.dumps(ident))) is FileIdentity
+    assert tokenize(ident) == tokenize(FileIdentity.of(raw))
+    assert ident.changes() is None
+    gone = FileIdentity.absent(str(tmp_path / "never-written"))
+    assert not gone.exists and gone.changes() is None
+    _write(gone.path, 3)
+    assert "did not exist when indexed" in gone.changes()
+    os.remove(raw)
+    assert "can no longer be found" in ident.changes()
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ import numpy as np
 from gpulazy.cli import describe_index, main
 from gpulazy.layouts import Index
 from gpulazy.spec import ByteRange, ChunkSpec, Codec, Tile
+from test_readme import _ome_tiff, _ome_zarr
 
 
 def test_info_path_describes_an_npy_file(tmp_path, capsys):
@@ -88,20 +89,7 @@ def test_info_counts_a_stacked_hdf5_grid_with_the_stack_axis(tmp_path):
     assert idx.shape == (3, 4, 10, 10) and stored_count(idx) == 3 * 2 * 2
 
 
-# -- OME and pyramid metadata -----------------------------------------------------------------
-def _ome_zarr(path):
-    import zarr
-
-    root = zarr.open_group(path, mode="w", zarr_format=2)
-    data = np.arange(4 * 64 * 64, dtype="uint16").reshape(4, 64, 64)
-    for level, arr in enumerate([data, data[:, ::2, ::2]]):
-        root.create_array(str(level), data=arr, chunks=(2, 32, 32))
-    axes = [{"name": n, "type": "space", "unit": "micrometer"} for n in "zyx"]
-    root.attrs["multiscales"] = [{"version": "0.4", "axes": axes, "datasets": [
-        {"path": str(lv), "coordinateTransformations": [{"type": "scale", "scale": [2.0, 0.5 * 2 ** lv, 0.5 * 2 ** lv]}]}
-        for lv in range(2)]}]
-
-
+# -- OME and pyramid metadata (the README's example files) -------------------------------------
 def test_info_shows_ome_zarr_axes_scale_and_levels(tmp_path, capsys):
     p = str(tmp_path / "img.ome.zarr")
     _ome_zarr(p)
@@ -119,14 +107,8 @@ def test_info_shows_ome_zarr_axes_scale_and_levels(tmp_path, capsys):
 
 
 def test_info_shows_an_ome_tiff_pyramid(tmp_path, capsys):
-    import tifffile
-
     p = str(tmp_path / "slide.ome.tif")
-    data = np.arange(4 * 128 * 128, dtype="uint16").reshape(4, 128, 128)
-    meta = {"axes": "ZYX", "PhysicalSizeZ": 2.0, "PhysicalSizeY": 0.5, "PhysicalSizeX": 0.5}
-    with tifffile.TiffWriter(p, ome=True) as tif:
-        tif.write(data, subifds=1, metadata=meta)
-        tif.write(data[:, ::2, ::2], subfiletype=1)
+    _ome_tiff(p)  # (4, 128, 128) uint16, z 2.0 and y/x 0.5 per pixel, a second level at half size
     assert main(["info", p, "--json", "--device", "cpu"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["axes"] == ["z", "y", "x"] and d["scale"] == [2.0, 0.5, 0.5] and d["stored_chunks"] == 4

@@ -1,9 +1,10 @@
-"""The ``gpulazy`` command: ``info``, ``bench`` and ``demo``.
+"""The ``gpulazy`` command: ``info``, ``bench``, ``demo`` and ``index`` (and ``--version``).
 
 ``gpulazy info`` says which versions, devices and backend it found and why (``gpulazy info
 PATH``: what a file holds, its codec and whether it decodes on the GPU);
 ``gpulazy bench`` measures this machine's ways of reading files onto a device side by
-side; ``gpulazy demo`` runs the main job on a generated volume. Errors print one line on
+side; ``gpulazy demo`` runs the main job on a generated volume; ``gpulazy index PATH``
+writes the checksum manifest that ``verify=True`` reads check against. Errors print one line on
 stderr and exit with status 2 (``--debug`` shows the traceback).
 """
 
@@ -14,6 +15,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shutil
@@ -27,7 +29,7 @@ import numpy as np
 from gpulazy import _bench, config
 from gpulazy.device import Device, get_device, gpu_count, gpu_unavailable_reason
 
-__all__ = ["main", "build_parser", "collect_info", "describe_index"]
+__all__ = ["main", "build_parser", "collect_info", "describe_index", "describe_levels", "stored_count"]
 
 PACKAGES = ["numpy", "dask", "distributed", "cupy", "kvikio", "torch", "tqdm"]
 EXIT_ERROR = 2
@@ -137,15 +139,60 @@ def describe_index(idx: Any, device: str | None = None) -> dict[str, Any]:
     dev = get_device(device)
     specs = list(idx.specs.values())
     codec = next((s.codec for s in specs if s.codec), None)
-    tiles = [t for s in specs for t in s.tiles]
-    stored = len(tiles) if tiles else len(specs)
-    missing = sum(t.range is None for t in tiles)
+    missing = sum(t.range is None for s in specs for t in s.tiles)
     ids = "+".join(c.id for c in codec or ())
+    stored_shape = idx.attrs.get("stored_chunks")
     return {"paths": list(idx.paths), "layout": idx.layout, "shape": list(idx.shape), "dtype": str(idx.dtype),
             "chunks": [c[0] if c else 0 for c in idx.chunks], "dask_chunks": len(specs),
-            "stored_chunk_shape": idx.attrs.get("stored_chunks"), "stored_chunks": stored - missing,
+            "stored_chunk_shape": stored_shape, "stored_chunks": stored_count(idx) - missing,
             "missing_chunks": missing, "codec": str(idx.attrs.get("codec") or ids or "none"),
-            "decodes_on": decoded_on(codec, dev), "device": dev.name}
+            "decodes_on": decoded_on(codec, dev), "device": dev.name, **_physical(idx.attrs)}
+
+
+def stored_count(idx: Any) -> int:
+    """How many pieces the format stores: the stored-chunk grid over the whole array.
+
+    Counted from the grid, not from the dask specs: uncompressed TIFF pages read as plain
+    byte runs carry no per-piece tiles, so counting specs gave the dask chunk count
+    (a 256-page file showed "2 stored chunks"). Formats without a chunk grid (raw,
+    ``.npy``) store one contiguous block per file.
+    """
+    stored = idx.attrs.get("stored_chunks")
+    if not stored:
+        return len(idx.paths) or 1
+    stored = (1,) * (len(idx.shape) - len(stored)) + tuple(stored)  # stacked files: one per file on axis 0
+    return math.prod(-(-n // max(1, s)) for n, s in zip(idx.shape, stored))
+
+
+def _physical(attrs: Any) -> dict[str, Any]:
+    """Axis names, physical scale, units and translation, as the format states them (OME, ImageJ, sidecar)."""
+    return {k: list(attrs[k]) for k in ("axes", "scale", "units", "translation") if attrs.get(k) is not None}
+
+
+def describe_levels(levels: Sequence[Any], device: str | None = None) -> dict[str, Any]:
+    """``describe_index`` of the full-resolution level, with every pyramid level's shape and scale."""
+    d = describe_index(levels[0], device)
+    if len(levels) > 1:
+        d["levels"] = [{"shape": list(lv.shape), "chunks": [c[0] if c else 0 for c in lv.chunks],
+                        **{k: v for k, v in _physical(lv.attrs).items() if k == "scale"}} for lv in levels]
+    return d
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _fmt_axes(d: dict[str, Any]) -> str | None:
+    if not d.get("axes") and not d.get("scale"):
+        return None
+    parts = [f"axes: {', '.join(map(str, d['axes']))}"] if d.get("axes") else []
+    if d.get("scale"):
+        units = [u for u in d.get("units") or () if u]
+        unit = f" ({', '.join(dict.fromkeys(units))})" if units else ""
+        parts.append(f"scale: {tuple(d['scale'])}{unit}")
+    if d.get("translation") and any(d["translation"]):
+        parts.append(f"translation: {tuple(d['translation'])}")
+    return "  ".join(parts)
 
 
 def format_description(d: dict[str, Any]) -> str:
@@ -154,20 +201,27 @@ def format_description(d: dict[str, Any]) -> str:
              else "decodes on the host"}[d["decodes_on"]]
     first = d["paths"][0] if d["paths"] else "?"
     more = f" (+{len(d['paths']) - 1} more files)" if len(d["paths"]) > 1 else ""
-    stored = f"{d['stored_chunks']} stored chunks" + (f", {d['missing_chunks']} missing (read as the fill value)"
-                                                       if d["missing_chunks"] else "")
     if d["stored_chunk_shape"]:
-        stored += f" of {tuple(d['stored_chunk_shape'])}"
-    return "\n".join([f"{first}{more}", f"layout: {d['layout']}", f"shape: {tuple(d['shape'])}  dtype: {d['dtype']}",
-                      f"chunks: {tuple(d['chunks'])} ({d['dask_chunks']} dask chunks); {stored}",
-                      f"codec: {d['codec']}; {where}"])
+        stored = f"{_plural(d['stored_chunks'], 'stored chunk')} of {tuple(d['stored_chunk_shape'])}"
+    else:
+        stored = f"stored contiguously, {_plural(d['stored_chunks'], 'file')}"
+    if d["missing_chunks"]:
+        stored += f", {d['missing_chunks']} missing (read as the fill value)"
+    lines = [f"{first}{more}", f"layout: {d['layout']}", f"shape: {tuple(d['shape'])}  dtype: {d['dtype']}"]
+    lines += [x for x in (_fmt_axes(d),) if x]
+    lines += [f"chunks: {tuple(d['chunks'])} ({_plural(d['dask_chunks'], 'dask chunk')}); {stored}",
+              f"codec: {d['codec']}; {where}"]
+    for i, lv in enumerate(d.get("levels") or ()):
+        scale = f"  scale {tuple(lv['scale'])}" if lv.get("scale") else ""
+        lines.append(f"{'levels:' if i == 0 else '':<8}{i}: {tuple(lv['shape'])}  chunks {tuple(lv['chunks'])}{scale}")
+    return "\n".join(lines)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     if getattr(args, "path", None):
         from gpulazy import layouts
 
-        d = describe_index(layouts.index(args.path), args.device)
+        d = describe_levels(layouts.levels(args.path), args.device)
         print(json.dumps(d, indent=2, default=str) if args.json else format_description(d))
         return 0
     info = collect_info(args.device)
@@ -367,12 +421,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- index ------------------------------------------------------------------------------
 def cmd_index(args: argparse.Namespace) -> int:
+    """Write the checksum manifest of ``PATH``: the one index there is, so no flag is needed.
+
+    ``--checksum`` is still accepted (it was required before); without it the command
+    used to stop with "nothing to do", which only made a newcomer type it twice.
+    """
     from gpulazy.checksums import write_manifest
 
-    if not args.checksum:
-        raise ValueError("nothing to do: pass --checksum to write the files' checksum manifest")
+    block = config.parse_bytes(args.block_size)
+    print(f"checksumming {args.path} in blocks of {args.block_size} (reads every byte once)")
     started = time.perf_counter()
-    written = write_manifest(args.path, block_size=config.parse_bytes(args.block_size))
+    written = write_manifest(args.path, block_size=block)
     for m in written:
         print(f"wrote {m}")
     print(f"checksummed in {time.perf_counter() - started:.2f} s; read with from_files(..., verify=True)")
@@ -380,10 +439,17 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 # -- parser -----------------------------------------------------------------------------
+def _gpulazy_version() -> str:
+    from gpulazy import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpulazy", description="gpulazy: files read straight into GPU memory "
                                 "as lazy Dask arrays. Errors exit with status 2.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.add_argument("--version", action="version", version=f"gpulazy {_gpulazy_version()}")
     # --debug is accepted after the sub-command too; SUPPRESS keeps it from resetting the flag.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
@@ -423,9 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="keep the generated volume")
     demo.set_defaults(func=cmd_demo)
 
-    index = sub.add_parser("index", parents=[common], help="write a checksum manifest of files, an XXH3-128 hash per block (for verify=True)")
+    index = sub.add_parser("index", parents=[common], help="write the checksum manifest of files (an XXH3-128 "
+                           "hash per block), which from_files(..., verify=True) checks every read against")
     index.add_argument("path", help="a file, a glob, or a folder (every file under it)")
-    index.add_argument("--checksum", action="store_true", help="write .gpulazy-checksums.json next to the files")
+    index.add_argument("--checksum", action="store_true", help="(the default, kept for old scripts) write "
+                       ".gpulazy-checksums.json next to the files")
     index.add_argument("--block-size", default="256KiB", help="bytes per hash (default 256KiB)")
     index.set_defaults(func=cmd_index)
     return p

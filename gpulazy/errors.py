@@ -13,6 +13,7 @@ __all__ = [
     "ChunkReadError",
     "ChunkDecodeError",
     "PerformanceWarning",
+    "ChunksEnlargedWarning",
     "BackendUnavailableError",
     "DeviceError",
     "DeviceMemoryError",
@@ -66,6 +67,10 @@ def _rebuild_decode_error(message, path, offset, expected, got):
 
 class PerformanceWarning(UserWarning):
     """Work takes a slower path than it could (e.g. a codec decoding on the host for a GPU array)."""
+
+
+class ChunksEnlargedWarning(UserWarning):
+    """``chunks=`` asked for blocks that cut stored chunks; they were enlarged to whole ones (the message says to what)."""
 
 
 class BackendUnavailableError(GpulazyError, RuntimeError):

@@ -168,8 +168,24 @@ class Stats:
             **_decode_figures(decodes),
         }
 
-    def plot(self, ax: Any = None, bin_seconds: float = 0.5) -> Any:
-        """Throughput over the last ``window`` seconds, one line per backend (matplotlib)."""
+    def timeline(self, bins: int = 60) -> tuple[float, float, dict[str, list[float]]]:
+        """Read throughput over the span the recent reads cover, not the whole ``window``.
+
+        Returns ``(start, bin_seconds, {backend: [bytes/s per bin]})``: ``start`` is the
+        ``time.monotonic()`` of the first read's start, and ``bins`` bins reach the last
+        read's end. Each read's bytes are spread over the time it took, so a compute of
+        0.3 s shows as 0.3 s of throughput, not one spike in a minute of zeros.
+        """
+        with self._lock:
+            events = list(self._events)
+        return _timeline(events, bins)
+
+    def plot(self, ax: Any = None, bins: int = 60) -> Any:
+        """Read throughput over the span of the recent reads (at most ``window`` s), one line per backend.
+
+        The x axis runs from the first read still in the window to the last one, so the
+        plot fits the compute it shows (matplotlib).
+        """
         try:
             import matplotlib.pyplot as plt
         except ImportError as e:
@@ -178,14 +194,42 @@ class Stats:
             raise missing_dependency("matplotlib", "notebook", "Stats.plot") from e
         if ax is None:
             _, ax = plt.subplots(figsize=(6, 3))
-        for backend, points in sorted(self.history(bin_seconds).items()):
-            ax.plot([-t for t, _ in points], [v / 1e9 for _, v in points], label=backend)
-        ax.set_xlabel("seconds ago")
+        start, step, lines = self.timeline(bins)
+        for backend, rates in sorted(lines.items()):
+            ax.plot([(i + 0.5) * step for i in range(len(rates))], [v / 1e9 for v in rates], label=backend)
+        if lines:
+            ax.set_xlim(0, step * bins)
+            ago = time.monotonic() - start
+            ax.set_xlabel(f"seconds since the first read ({ago:.1f} s ago)")
+        else:
+            ax.set_xlabel(f"no reads in the last {self.window:.0f} s")
         ax.set_ylabel("GB/s")
         ax.set_title("gpulazy read throughput")
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         return ax
+
+
+def _timeline(events: list[ReadEvent], bins: int) -> tuple[float, float, dict[str, list[float]]]:
+    """``Stats.timeline`` of ``events``: each read's bytes spread evenly over its own duration."""
+    if not events:
+        return time.monotonic(), 0.0, {}
+    start = min(e.end - e.seconds for e in events)
+    span = max(max(e.end for e in events) - start, 1e-6)
+    step = span / bins
+    out: dict[str, list[float]] = {}
+    for e in events:
+        rates = out.setdefault(e.backend, [0.0] * bins)
+        begin, end = e.end - e.seconds - start, e.end - start
+        if end - begin <= 0:  # an instantaneous read: all its bytes in the bin where it ended
+            rates[min(bins - 1, int(end / step))] += e.nbytes / step
+            continue
+        per_second = e.nbytes / (end - begin)
+        for b in range(int(begin / step), min(bins - 1, int(end / step)) + 1):
+            overlap = min(end, (b + 1) * step) - max(begin, b * step)
+            if overlap > 0:
+                rates[b] += per_second * overlap / step
+    return start, step, out
 
 
 def _decode_figures(decodes: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from gpulazy import config
+from gpulazy.layouts._chunk_notice import warn_if_enlarged
 from gpulazy.layouts._common import coalesce, normalize_chunks, slab_sizes
 from gpulazy.spec import ByteRange, ChunkSpec, Codec, FileIdentity, Tile
 
@@ -31,19 +32,23 @@ def grid_chunks(shape: Sequence[int], stored: Sequence[int], dtype: np.dtype, ch
 
     ``chunks=None``/``"auto"``: about ``config chunk_size`` bytes per block, growing
     along the leading axes. Any dask spelling is accepted and each block boundary is
-    moved up to the next stored-chunk boundary.
+    moved up to the next stored-chunk boundary (a ``ChunksEnlargedWarning`` says so when
+    that changes blocks given in elements).
 
     >>> grid_chunks((10, 10), (4, 4), np.dtype("u1"), chunks=(5, 10))
     ((8, 2), (10,))
     """
     shape, stored = tuple(shape), tuple(max(1, s) for s in stored)
     grid = tuple(-(-n // s) for n, s in zip(shape, stored))
+    asked = chunks
     if chunks is None or (isinstance(chunks, str) and chunks == "auto"):
         unit = math.prod(stored) * dtype.itemsize
         counts = slab_sizes(grid, unit, int(config.get("chunk_size"))) if all(grid) else grid
         chunks = tuple(min(n, c * s) if n else 0 for n, c, s in zip(shape, counts, stored))
     norm = normalize_chunks(chunks, shape, dtype)
-    return tuple(_snap(axis, n, s) for axis, n, s in zip(norm, shape, stored))
+    out = tuple(_snap(axis, n, s) for axis, n, s in zip(norm, shape, stored))
+    warn_if_enlarged(asked, norm, out, stored)  # say so when a requested block size was not kept
+    return out
 
 
 def _snap(axis: Sequence[int], n: int, s: int) -> tuple[int, ...]:

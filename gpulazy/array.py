@@ -9,7 +9,7 @@ tasks by these two functions.
 Streams: a chunk a task returns is complete on every CUDA stream and thread. gpulazy's
 own device work runs on this thread's non-blocking ``gpulazy_stream`` and the task waits
 for that stream (never the device, never the legacy default stream) before returning;
-your current stream is left as it is. See README, "Streams".
+your current stream is left as it is. See docs/streams.md.
 """
 
 from __future__ import annotations

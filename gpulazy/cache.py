@@ -359,7 +359,7 @@ class DeviceCache:
         ``out``, when given (an array of the region's shape, e.g. a view into a larger
         region the caller assembles), receives the region and is returned: the one copy
         a region of several chunks needs. Either way the bytes are in place, on every
-        stream, when this returns (README, "Streams").
+        stream, when this returns (docs/streams.md).
         """
         with self._lock:
             entry = self._entries.get(spec.key)

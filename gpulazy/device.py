@@ -178,7 +178,7 @@ class Device:
     def synchronize(self) -> None:
         """Wait for gpulazy's work queued by this thread (and the current stream, if one was set).
 
-        Never the legacy default stream or the whole device (see README, "Streams"):
+        Never the legacy default stream or the whole device (see docs/streams.md):
         other threads' kernels go on meanwhile. The current stream is waited for only when
         it is a stream of its own (not CuPy's default, the legacy stream).
         """

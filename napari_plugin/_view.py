@@ -155,7 +155,7 @@ def _read_box(array: Any, box: list) -> Any:
     The result is allocated once, in the caller's memory pool, and each chunk's part of the
     box is copied straight into it on gpulazy's stream (``DeviceCache.get_region(out=)``): one
     copy per chunk, no per-chunk temporaries, and every byte in place when this returns
-    (README, "Streams").
+    (docs/streams.md).
     """
     import itertools
 

@@ -1,6 +1,6 @@
 """Stream contract on a GPU: gpulazy's own work never runs on the caller's stream, a chunk
 handed out is complete on every stream, and memory taken from the caller's pool is written
-only after the caller's queued kernels (README, "Streams")."""
+only after the caller's queued kernels (docs/streams.md)."""
 
 from __future__ import annotations
 

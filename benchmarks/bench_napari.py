@@ -91,6 +91,19 @@ def write_zarr(folder: str, planes: int, size: int, chunks: tuple[int, ...]) -> 
     return path
 
 
+def write_tiff(folder: str, planes: int, size: int, tile: int) -> str:
+    """A multi-page uint16 TIFF of ``plane_values`` in ``tile`` x ``tile`` tiles (reused when there)."""
+    import tifffile
+
+    path = os.path.join(folder, f"bench-napari-{planes}x{size}x{size}-tile{tile}.tif")
+    if os.path.exists(path + ".done"):
+        return path
+    volume = np.stack([plane_values(k, size, "uint16") for k in range(planes)])  # one series of pages
+    tifffile.imwrite(path, volume, tile=(tile, tile), bigtiff=True)
+    open(path + ".done", "w").close()
+    return path
+
+
 def percentiles(ms: list[float]) -> dict[str, float]:
     if not ms:
         return {"n": 0, "p50_ms": float("nan"), "p95_ms": float("nan"), "max_ms": float("nan")}
@@ -137,10 +150,15 @@ def run_way(way: str, path: str, args: argparse.Namespace, planes: list[int], sp
         cache = gpulazy.DeviceCache(args.cache, device=args.device, name="bench-napari")
         ((data, kwargs, _),) = napari_gpulazy.read_layers(path, device=args.device, cache=cache, prefetch=False)
         chunks = data.array.chunks
-    elif args.format == "zarr-zstd":
+    elif args.format in ("zarr-zstd", "tiff"):
         import dask.array as da
 
-        data = da.from_zarr(path)
+        if args.format == "tiff":
+            import tifffile
+
+            data = da.from_zarr(tifffile.imread(path, aszarr=True))
+        else:
+            data = da.from_zarr(path)
         chunks = data.chunks
         kwargs = {"name": "dask"}
     else:
@@ -228,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=20.0, help="planes per second")
     ap.add_argument("--depth", type=int, default=16, help="planes warmed ahead (prefetch pass)")
     ap.add_argument("--chunk-mib", type=float, default=128.0, help="target chunk size (gpulazy's default 128)")
-    ap.add_argument("--format", choices=("raw", "zarr-zstd"), default="raw",
-                    help="raw float32 + sidecar, or a zstd-1 Zarr v3 uint16 store in --chunks")
+    ap.add_argument("--format", choices=("raw", "zarr-zstd", "tiff"), default="raw",
+                    help="raw float32 + sidecar, a zstd-1 Zarr v3 uint16 store in --chunks, or a multi-page "
+                         "uint16 TIFF in tiles of the last --chunks entry")
     ap.add_argument("--chunks", default="32,512,512", help="Zarr chunks (z,y,x): a plane spans several")
     ap.add_argument("--device", default=None, help="'cpu' or 'cuda:N' (default: a GPU when usable)")
     ap.add_argument("--cache", default="50%", help="gpulazy cache capacity ('8 GiB', '50%%' of free memory)")
@@ -254,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.format == "raw":
         path = write_volume(folder, args.planes, args.size)
+    elif args.format == "tiff":
+        path = write_tiff(folder, args.planes, args.size, int(args.chunks.split(",")[-1]))
     else:
         path = write_zarr(folder, args.planes, args.size, tuple(int(c) for c in args.chunks.split(",")))
     print(f"volume {path}: {args.planes} x {args.size} x {args.size} {args.format} "
@@ -268,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else None
-            for p in (path, path + ".json"):
+            for p in (path, path + ".json", path + ".done"):
                 if os.path.isfile(p):
                     os.remove(p)
     result["targets"] = targets(result)

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import names_collection, natural_key, resolve_paths
-from gpulazy.layouts._limits import TooManyChunks
+from gpulazy.layouts._limits import TooManyChunksError
 
 __all__ = [
     "Layout",
@@ -97,7 +97,7 @@ def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Ind
     lay, files, given = _prepare(paths, layout, opts)
     try:
         return lay.index(files, **given)
-    except TooManyChunks as e:  # counted where the path is not known: name it here
+    except TooManyChunksError as e:  # counted where the path is not known: name it here
         _name_path(e, files[0])
 
 
@@ -106,11 +106,11 @@ def levels(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> li
     lay, files, given = _prepare(paths, layout, opts)
     try:
         return lay.levels(files, **given)
-    except TooManyChunks as e:
+    except TooManyChunksError as e:
         _name_path(e, files[0])
 
 
-def _name_path(e: TooManyChunks, path: str) -> NoReturn:
+def _name_path(e: TooManyChunksError, path: str) -> NoReturn:
     if e.where:
         raise e
     raise e.at(path) from e

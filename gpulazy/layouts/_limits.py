@@ -7,7 +7,7 @@ way; raw bytes in chunks of 1 ended in a bare ``MemoryError`` inside dask. So ev
 layout counts its pieces from shapes alone first (``check_pieces``) and refuses, with a
 ``LayoutError`` that names the count, the chunking and one that works, any array of
 more than config ``max_chunks`` pieces. ``layouts.index`` adds the path when the check
-ran where it is not known (``TooManyChunks.at``).
+ran where it is not known (``TooManyChunksError.at``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import numpy as np
 from gpulazy import config
 from gpulazy.errors import LayoutError
 
-__all__ = ["TooManyChunks", "check_pieces", "suggest_chunks", "spelled_block_count", "max_chunks", "runs_per_block"]
+__all__ = ["TooManyChunksError", "check_pieces", "suggest_chunks", "spelled_block_count", "max_chunks",
+           "runs_per_block"]
 
 
-class TooManyChunks(LayoutError):
+class TooManyChunksError(LayoutError):
     """More pieces than config ``max_chunks``; ``where`` is the file or store (``None``: not known yet)."""
 
     def __init__(self, message: str, where: str | None = None):
@@ -33,9 +34,9 @@ class TooManyChunks(LayoutError):
     def __reduce__(self):
         return (type(self), (self.message, self.where))
 
-    def at(self, where: str) -> TooManyChunks:
+    def at(self, where: str) -> TooManyChunksError:
         """This error naming ``where`` (itself when it names a path already)."""
-        return self if self.where else TooManyChunks(self.message, where)
+        return self if self.where else TooManyChunksError(self.message, where)
 
 
 def max_chunks() -> int:
@@ -45,7 +46,7 @@ def max_chunks() -> int:
 
 def check_pieces(count: int, *, what: str, shape: Sequence[int], dtype: np.dtype, pieces: Sequence[int] | str,
                  fix: Callable[[], str], where: str | None = None) -> None:
-    """Raise ``TooManyChunks`` when ``count`` pieces exceed config ``max_chunks``.
+    """Raise ``TooManyChunksError`` when ``count`` pieces exceed config ``max_chunks``.
 
     ``what`` names the pieces (``"stored chunks"``); ``pieces`` their shape or a
     description; ``fix()`` says what to do (called only to raise; see ``suggest_chunks``).
@@ -55,7 +56,7 @@ def check_pieces(count: int, *, what: str, shape: Sequence[int], dtype: np.dtype
         return
     shape = tuple(int(n) for n in shape)
     fix_text = fix()
-    raise TooManyChunks(
+    raise TooManyChunksError(
         f"an array of shape {shape} and dtype {np.dtype(dtype).str!r} in {what} of {_shape_text(pieces)} makes "
         f"{count:,} {what}; gpulazy indexes at most {limit:,} (config max_chunks: it holds Python objects "
         f"per piece, ~11 us and ~450 bytes each to open); {fix_text}, or raise the limit with "

@@ -132,3 +132,16 @@ def test_suggested_chunks_fit_the_limit(limit):
             sug = suggest_chunks(shape, np.dtype("u2"))
             blocks = math.prod(-(-n // c) for n, c in zip(shape, sug))
             assert blocks <= limit, (shape, sug)
+
+
+def test_an_hdf5_dataset_of_more_stored_chunks_is_refused_before_its_chunk_index(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    path = str(tmp_path / "a.h5")
+    data = (np.arange(4096) * 3 % 251).astype("u1")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=data, chunks=(8,))
+    with gpulazy.config.set(max_chunks=500):
+        err = _refused("512 stored chunks", path)
+        assert repr(path) in str(err) and "larger stored chunks" in str(err)
+    with gpulazy.config.set(max_chunks=512):
+        assert np.array_equal(gpulazy.from_files(path, device="cpu", cache=False).compute(), data)

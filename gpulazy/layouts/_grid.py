@@ -20,6 +20,7 @@ import numpy as np
 
 from gpulazy import config
 from gpulazy.layouts._common import coalesce, normalize_chunks, slab_sizes
+from gpulazy.layouts._limits import check_stored_chunks
 from gpulazy.spec import ByteRange, ChunkSpec, Codec, Tile
 
 __all__ = ["grid_chunks", "grid_specs"]
@@ -84,7 +85,7 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
     from gpulazy.spec import file_identity
 
     shape, stored = tuple(shape), tuple(max(1, s) for s in stored)
-    _check_stored_count(shape, stored, dtype)
+    check_stored_chunks(shape, stored, dtype)  # before a Tile (and a stat) is made per stored chunk
     ident = identity or functools.cache(file_identity)  # one stat per file, not per tile
     dt = np.dtype(dtype).str
     edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
@@ -100,16 +101,6 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
             tiles.append(Tile(tile_at(sidx), tuple(tshape), origin, order))
         specs[idx] = _spec(tuple(tiles), bshape, dt, codec, fill_value, idx, ident)
     return specs
-
-
-def _check_stored_count(shape: tuple[int, ...], stored: tuple[int, ...], dtype: np.dtype) -> None:
-    """Refuse more stored chunks than config ``max_chunks`` before a ``Tile`` (or a ``stat``) is made each."""
-    from gpulazy.layouts._limits import check_pieces, suggest_chunks
-
-    count = math.prod(-(-n // s) for n, s in zip(shape, stored))
-    check_pieces(count, what="stored chunks", shape=shape, dtype=dtype, pieces=stored,
-                 fix=lambda: "no chunks= changes how the data is stored: rewrite it in larger stored chunks, e.g. "
-                             f"{suggest_chunks(shape, dtype, smallest=4 << 20)}")
 
 
 def _spec(tiles: tuple[Tile, ...], bshape: tuple[int, ...], dt: str, codec: Any, fill_value: Any,

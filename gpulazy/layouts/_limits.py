@@ -20,7 +20,7 @@ import numpy as np
 from gpulazy import config
 from gpulazy.errors import LayoutError
 
-__all__ = ["TooManyChunksError", "check_pieces", "suggest_chunks", "spelled_block_count", "max_chunks",
+__all__ = ["TooManyChunksError", "check_pieces", "check_stored_chunks", "suggest_chunks", "spelled_block_count", "max_chunks",
            "runs_per_block"]
 
 
@@ -61,6 +61,14 @@ def check_pieces(count: int, *, what: str, shape: Sequence[int], dtype: np.dtype
         f"{count:,} {what}; gpulazy indexes at most {limit:,} (config max_chunks: it holds Python objects "
         f"per piece, ~11 us and ~450 bytes each to open); {fix_text}, or raise the limit with "
         f"gpulazy.config.set(max_chunks={count})", where)
+
+
+def check_stored_chunks(shape: Sequence[int], stored: Sequence[int], dtype: np.dtype) -> None:
+    """``check_pieces`` for a grid of stored chunks: only rewriting the data in larger ones helps."""
+    count = math.prod(-(-int(n) // max(1, int(s))) for n, s in zip(shape, stored))
+    check_pieces(count, what="stored chunks", shape=shape, dtype=dtype, pieces=stored,
+                 fix=lambda: "no chunks= changes how the data is stored: rewrite it in larger stored chunks, e.g. "
+                             f"{suggest_chunks(shape, dtype, smallest=4 << 20)}")
 
 
 def _shape_text(pieces: Sequence[int] | str) -> str:

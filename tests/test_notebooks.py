@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,28 @@ def execute_notebook(path: Path, kernel: str, *, store_widget_state: bool = Fals
     nb = nbformat.read(path, as_version=4)
     # sys.modules[name] = None: importing it raises ImportError and find_spec says None.
     startup = [f"--IPKernelApp.exec_lines=import sys; sys.modules[{m!r}] = None" for m in hide]
-    client = nbclient.NotebookClient(
-        nb, kernel_name=kernel, timeout=timeout, store_widget_state=store_widget_state,
-        resources={"metadata": {"path": str(ROOT / "notebooks")}}, extra_arguments=startup,
-    )
-    client.execute()
+    with tempfile.TemporaryDirectory(prefix="nbk-") as sockets:
+        client = nbclient.NotebookClient(
+            nb, km=_kernel_manager(kernel, sockets), timeout=timeout, store_widget_state=store_widget_state,
+            resources={"metadata": {"path": str(ROOT / "notebooks")}}, extra_arguments=startup,
+        )
+        client.execute()
     return nb
+
+
+def _kernel_manager(kernel: str, sockets: str):
+    """A kernel manager talking over Unix sockets in ``sockets`` where it can, else over TCP.
+
+    Over TCP jupyter_client picks five free ports and closes them before the kernel binds
+    them: another kernel or cluster starting on the machine meanwhile (test suites run
+    side by side) can take one, and the kernel dies at start. Socket files in a fresh
+    directory cannot be taken.
+    """
+    from jupyter_client.manager import KernelManager
+
+    if os.name != "posix":
+        return KernelManager(kernel_name=kernel)
+    return KernelManager(kernel_name=kernel, transport="ipc", ip=os.path.join(sockets, "k"))
 
 
 def cell_seconds(nb) -> list[tuple[float, int]]:

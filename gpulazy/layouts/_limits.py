@@ -20,8 +20,8 @@ import numpy as np
 from gpulazy import config
 from gpulazy.errors import LayoutError
 
-__all__ = ["TooManyChunksError", "check_pieces", "check_stored_chunks", "suggest_chunks", "spelled_block_count", "max_chunks",
-           "runs_per_block"]
+__all__ = ["TooManyChunksError", "check_pieces", "check_stored_chunks", "suggest_chunks", "spelled_block_count",
+           "max_chunks", "runs_per_block"]
 
 
 class TooManyChunksError(LayoutError):

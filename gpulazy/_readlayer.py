@@ -6,7 +6,6 @@ Imports Dask, so ``gpulazy.array`` imports it only when it builds a graph.
 from __future__ import annotations
 
 import hashlib
-import itertools
 from typing import Any
 
 from dask._task_spec import DataNode, Task, TaskRef
@@ -32,10 +31,19 @@ def _prefetch_registered() -> bool:
     return any(_is_prefetch(cb) for cb in Callback.active)
 
 _MIN_BATCHES = 8
-# Batch keys are new for every compute: a batch that failed must never be taken for the
-# same key by a later compute (dask.distributed keeps an erred key while anything still
-# refers to the failed compute, e.g. the exception a caller holds on to).
-_next_id = itertools.count().__next__
+
+
+def _batch_name(array: str, mine: list, limit: int) -> str:
+    """The batch tasks' name: a function of the keys culled (and the batch limit), nothing else.
+
+    A chunk's key must always name the same task: ``dask.distributed`` keeps the first
+    task it was given for a key while that key is alive and warns ("Detected different
+    `run_spec`") when a later graph gives it other dependencies, which can deadlock. The
+    grouping is a function of ``mine`` and ``limit`` (and of the specs, which the array's
+    name already hashes), so the same keys give the same batches and the same picks.
+    """
+    tag = hashlib.blake2b(repr((limit, mine)).encode(), digest_size=8).hexdigest()
+    return f"read-batch-{array}-{tag}"
 
 
 def _window(batches: list, sources: list) -> ReadWindow | None:
@@ -56,6 +64,9 @@ class ReadLayer(MaterializedLayer):
     ``batch_size`` bytes of chunks (neighbours in block order, and at most 1/8 of the
     chunks needed) in one submission, and
     one ``pick`` task per chunk under the old key, so downstream tasks are unchanged.
+    The batches are named from the keys culled: computing the same keys again (the same
+    array, or another reduction over all of it) gives every key the same task, which
+    ``dask.distributed`` requires of a key that is still alive (``_batch_name``).
     The batch tasks of one compute share a ``ReadWindow``: each batch is submitted whole,
     and each task starts the batches likely to run next, up to config ``read_ahead`` bytes
     (``gpulazy._batchread``). A batch task returns as soon as its batch is submitted;
@@ -89,9 +100,7 @@ class ReadLayer(MaterializedLayer):
             size += nbytes
         if len(groups) == len(mine):  # every chunk alone in its batch: nothing to gain
             return super().cull(keys, all_hlg_keys)
-        # Cheap for 100k keys; culling runs where the graph is submitted, so only that process names it.
-        tag = hashlib.blake2b(repr((len(mine), mine[0], mine[-1], limit, _next_id())).encode(), digest_size=8).hexdigest()
-        bname = f"read-batch-{mine[0][0]}-{tag}"
+        bname = _batch_name(mine[0][0], mine, limit)
         batches = [tuple(self.mapping[k].args[0] for k in group) for group in groups]
         sources = [self.mapping[group[0]].args[1] for group in groups]
         window = _window(batches, sources)

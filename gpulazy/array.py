@@ -236,7 +236,10 @@ def from_files(paths: Any, *, shape: Any = None, dtype: Any = None, offset: int 
         Nothing matched ``paths``.
     LayoutError
         A file's size or header does not match ``shape``/``dtype``/``offset`` (the
-        message names the file, the expected and the actual bytes).
+        message names the file, the expected and the actual bytes); or the array would
+        be indexed into more than config ``max_chunks`` pieces (dask chunks, stored
+        chunks or byte runs: the message names the count and a chunking that fits),
+        checked before any per-piece object is made.
 
     Examples
     --------

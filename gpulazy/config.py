@@ -92,6 +92,9 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
                    "bytes of chunk reads one batched read task submits at once (0: a read task per chunk)"),
     "read_ahead": (lambda: 1 << 30, parse_bytes,
                    "bytes of batched reads a compute starts ahead of the batch task that runs (0: none)"),
+    "max_chunks": (lambda: 1_000_000, _positive_int,
+                   "the most pieces (dask chunks, stored chunks or byte runs) one array is indexed into; opening "
+                   "takes ~11 us and ~450 bytes per piece, and more raise LayoutError naming a chunking that fits"),
     "staging": (lambda: "tasks", lambda v: _choice(v, ("tasks", "always", "never")),
                 "KvikIO reads through pinned host buffers and gpulazy's non-blocking streams: in chunk "
                 "tasks ('tasks'), always or never (straight into device memory on KvikIO's blocking streams)"),

@@ -308,12 +308,12 @@ def to_cupy(x: Any, *, device: Any = None, copy: bool | None = None) -> Any:
         For ``device="cpu"`` (CuPy arrays live on GPUs: use ``to_numpy``).
     """
     _refuse_lazy(x, "to_cupy")
+    if _names_host(device):  # before CuPy is needed: no install makes a CuPy array on the host
+        _refuse_host_for_cupy(device)
     cupy = _require("cupy", "gpu", "gpulazy.to_cupy")
     target = _target(device)
     if target is not None and not target.is_gpu:
-        from gpulazy.errors import DeviceError
-
-        raise DeviceError(f"to_cupy(device={device!r}): CuPy arrays live on a GPU; use gpulazy.to_numpy for the host")
+        _refuse_host_for_cupy(device)
     where = _device_of(x)
     if not where.startswith("cuda"):
         if copy is False:
@@ -333,6 +333,18 @@ def to_cupy(x: Any, *, device: Any = None, copy: bool | None = None) -> Any:
 
 
 # --- devices ---
+
+def _names_host(device: Any) -> bool:
+    """Whether a ``device=`` argument plainly names the host (``"cpu"``, a ``cpu`` Device or torch device)."""
+    text = str(getattr(device, "name", device)) if device is not None else ""
+    return text.partition(":")[0].lower() == "cpu"
+
+
+def _refuse_host_for_cupy(device: Any) -> None:
+    from gpulazy.errors import DeviceError
+
+    raise DeviceError(f"to_cupy(device={device!r}): CuPy arrays live on a GPU; use gpulazy.to_numpy for the host")
+
 
 def _target(device: Any) -> Any:
     """The ``gpulazy.device.Device`` for a ``device=`` argument, or ``None``."""

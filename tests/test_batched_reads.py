@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -387,3 +388,60 @@ def test_a_missing_file_fails_the_compute_naming_it_under_both_schedulers(tmp_pa
     for scheduler in ("sync", "threads"):
         with pytest.raises(gpulazy.errors.GpulazyError, match="z013.raw"):
             vol.max(axis=0).compute(scheduler=scheduler)
+
+
+def test_a_chunk_key_names_the_same_task_in_every_distributed_compute(tmp_path):
+    """Batch names come from the keys culled, so ``distributed`` never sees a key change its task."""
+    distributed = pytest.importorskip("distributed")
+    import warnings
+
+    paths, data = _planes(tmp_path, n=16)
+    vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 2, 6), device="cpu", cache=False)
+    log = _Records()
+    logger = logging.getLogger("distributed")
+    logger.addHandler(log)
+    try:
+        with warnings.catch_warnings(record=True) as caught, distributed.Client(
+                processes=False, n_workers=1, threads_per_worker=2, dashboard_address=":0") as client:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                assert np.array_equal(vol.compute(), data)
+                # Two reductions in flight at once: the second graph meets the first one's keys alive.
+                mip, total, whole = client.compute([vol.max(axis=0), vol.sum(), vol])
+                assert np.array_equal(mip.result(), data.max(axis=0))
+                assert int(total.result()) == int(data.astype("u8").sum())
+                assert np.array_equal(whole.result(), data)
+                del mip, total, whole
+    finally:
+        logger.removeHandler(log)
+    said = log.messages + [str(w.message) for w in caught]
+    assert not [m for m in said if "Detected different `run_spec`" in m]
+
+
+class _Records(logging.Handler):
+    """Keeps the messages logged (distributed's loggers do not propagate to pytest's caplog)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_distributed_compute_after_a_failed_one_reads_again(tmp_path):
+    """Batches named by their keys are not taken from a failed compute: the retry reads the file."""
+    distributed = pytest.importorskip("distributed")
+    import fault_backend
+
+    paths, data = _planes(tmp_path, n=16)
+    fault_backend.install({"fault": "eio", "match": "z005", "times": 1})
+    try:
+        vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 2, 6), device="cpu", cache=False,
+                                 backend=fault_backend.NAME)
+        with distributed.Client(processes=False, n_workers=1, threads_per_worker=2, dashboard_address=":0"):
+            with pytest.raises(gpulazy.errors.ChunkReadError, match="z005.raw"):
+                vol.max(axis=0).compute()
+            assert np.array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+    finally:
+        fault_backend.uninstall()

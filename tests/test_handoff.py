@@ -36,7 +36,12 @@ def test_to_numpy_refuses_a_gpu_device():
         gpulazy.to_numpy(np.ones(2), device="cuda:0")
 
 
-def test_to_cupy_refuses_cpu_device():
+@pytest.mark.parametrize("cupy_importable", [True, False], ids=["as-installed", "cupy-missing"])
+def test_to_cupy_refuses_cpu_device(monkeypatch, cupy_importable):
+    # A host device is refused for what it is, whether or not CuPy is installed: installing
+    # the gpu extra would not make it possible.
+    if not cupy_importable:
+        monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(DeviceError, match="to_numpy"):
         gpulazy.to_cupy(np.ones(2), device="cpu")
 

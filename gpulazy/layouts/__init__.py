@@ -19,11 +19,12 @@ from __future__ import annotations
 from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 from gpulazy.errors import LayoutError
 from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import names_collection, natural_key, resolve_paths
+from gpulazy.layouts._limits import TooManyChunksError
 
 __all__ = [
     "Layout",
@@ -94,13 +95,25 @@ def index(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> Ind
     single path, unless the caller passed ``stack`` itself.
     """
     lay, files, given = _prepare(paths, layout, opts)
-    return lay.index(files, **given)
+    try:
+        return lay.index(files, **given)
+    except TooManyChunksError as e:  # counted where the path is not known: name it here
+        _name_path(e, files[0])
 
 
 def levels(paths: Any, *, layout: str | Layout | None = None, **opts: Any) -> list[Index]:
     """Every resolution level of ``paths``, full resolution first (one level if it has no pyramid)."""
     lay, files, given = _prepare(paths, layout, opts)
-    return lay.levels(files, **given)
+    try:
+        return lay.levels(files, **given)
+    except TooManyChunksError as e:
+        _name_path(e, files[0])
+
+
+def _name_path(e: TooManyChunksError, path: str) -> NoReturn:
+    if e.where:
+        raise e
+    raise e.at(path) from e
 
 
 def _prepare(paths: Any, layout: str | Layout | None, opts: dict[str, Any]

@@ -227,6 +227,7 @@ def normalize_chunks(chunks: Any, shape: Sequence[int], dtype: np.dtype, *, orde
     from dask.array.core import normalize_chunks as dask_normalize
 
     shape = tuple(shape)
+    _check_block_count(chunks, shape, dtype, order, stacked)
     limit = _chunk_limit(chunks, shape)
     default = default_chunks(shape, dtype.itemsize, order=order, stacked=stacked, target=limit)
     if chunks is None or isinstance(chunks, str):
@@ -251,6 +252,20 @@ def normalize_chunks(chunks: Any, shape: Sequence[int], dtype: np.dtype, *, orde
     if order == "F" and stacked and shape and any(c != 1 for c in out[0]):
         out = ((1,) * shape[0] if shape[0] else (0,),) + out[1:]
     return out
+
+
+def _check_block_count(chunks: Any, shape: tuple[int, ...], dtype: np.dtype, order: str, stacked: bool) -> None:
+    """Refuse a spelling that makes more than config ``max_chunks`` blocks before dask lists them.
+
+    (dask's ``normalize_chunks`` builds a tuple per axis: 1e9 bytes in chunks of 1 was a bare
+    ``MemoryError``.)
+    """
+    from gpulazy.layouts._limits import check_pieces, spelled_block_count, suggest_chunks
+
+    count = spelled_block_count(chunks, shape)
+    if count > 1:
+        check_pieces(count, what="dask chunks", shape=shape, dtype=dtype, pieces=repr(chunks),
+                     fix=lambda: f"pass chunks={suggest_chunks(shape, dtype, order=order, stacked=stacked)}")
 
 
 def _chunk_limit(chunks: Any, shape: tuple[int, ...]) -> int | None:
@@ -407,9 +422,31 @@ class FileStack:
         shape = self.shape
         native = self.dtype.newbyteorder("=")
         norm = normalize_chunks(chunks, shape, native, order=self.order, stacked=self.stacked)
+        self._check_runs(norm)
         specs = self._specs(norm)
         return Index(shape=shape, dtype=native, chunks=norm, specs=specs, layout=layout,
                      order=self.order, stacked=self.stacked, paths=tuple(f.path for f in self.files))
+
+    def _check_runs(self, chunks: tuple[tuple[int, ...], ...]) -> None:
+        """Refuse a chunking of more byte runs than config ``max_chunks``, before any is made.
+
+        Counted from the first block (the largest): ``(n, m)`` in chunks of ``(n, 1)`` is one
+        block per column but ``n`` runs each.
+        """
+        from gpulazy.layouts._limits import check_pieces, runs_per_block, suggest_chunks
+
+        if not chunks or 0 in self.shape:
+            return
+        inner = tuple(c[0] for c in chunks[1:]) if self.stacked else tuple(c[0] for c in chunks)
+        fshape = self.file_shape
+        if self.order == "F":  # the file is the C-order array of the reversed shape
+            inner, fshape = inner[::-1], fshape[::-1]
+        inner_blocks = math.prod(len(c) for c in (chunks[1:] if self.stacked else chunks))
+        count = runs_per_block(fshape, inner) * inner_blocks * (len(self.files) if self.stacked else 1)
+        check_pieces(count, what="byte runs", shape=self.shape, dtype=self.dtype,
+                     pieces=tuple(c[0] for c in chunks), where=self.files[0].path,
+                     fix=lambda: "pass chunks={} (contiguous slabs)".format(
+                         suggest_chunks(self.shape, self.dtype, order=self.order, stacked=self.stacked)))
 
     def _file_runs(self, inner_bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """Runs of one file for a block whose per-axis bounds (within the file) are given."""

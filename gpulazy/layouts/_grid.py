@@ -21,6 +21,7 @@ import numpy as np
 from gpulazy import config
 from gpulazy.layouts._chunk_notice import warn_if_enlarged
 from gpulazy.layouts._common import coalesce, normalize_chunks, slab_sizes
+from gpulazy.layouts._limits import check_stored_chunks
 from gpulazy.spec import ByteRange, ChunkSpec, Codec, FileIdentity, Tile
 
 __all__ = ["grid_chunks", "grid_specs"]
@@ -94,6 +95,7 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
         an HDF5 chunk table, a TIFF's byte counts).
     """
     shape, stored = tuple(shape), tuple(max(1, s) for s in stored)
+    check_stored_chunks(shape, stored, dtype)  # before a Tile (and a stat) is made per stored chunk
     ident = identity or functools.cache(FileIdentity.of)  # one stat per file, not per tile
     dt = np.dtype(dtype).str
     edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]

@@ -280,6 +280,10 @@ def _storage(d: Any, path: str, size: int) -> Hdf5Dataset:
                     (dcpl.get_filter(i) for i in range(dcpl.get_nfilters())))
     ds = Hdf5Dataset(storage="chunked", chunks=chunks, filters=filters, **base)
     ds.codec(0)  # refuse unsupported filters now, before reading the chunk index
+    if not unallocated:
+        from gpulazy.layouts._limits import check_stored_chunks
+
+        check_stored_chunks(shape, chunks, dtype)  # before a row per chunk of the index
     table = {} if unallocated else _chunk_table(d, where, shape, chunks, size)
     if filters and _partial_chunks_unfiltered(dcpl):
         # H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS: edge chunks are stored raw, yet their filter mask

@@ -1,0 +1,114 @@
+"""Run the fuzz cases of every format in a pytest subprocess each, and tally the log by cause.
+
+    PYTHONPATH=$PWD python -m tests.fuzz.report run --n 1000 --log /tmp/fuzz.jsonl
+    PYTHONPATH=$PWD python -m tests.fuzz.report tally /tmp/fuzz.jsonl
+
+``run`` resumes after a case that kills the interpreter (a segfault is logged as such).
+``tally`` prints, per format, the cases run and the failing ones grouped by cause (which
+read, what went wrong, where), with the count and the first seed that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+FORMATS = ["tiff", "zarr2", "zarr3", "hdf5", "npy"]
+
+
+def run(n: int, log: str, formats: list[str], start: int = 0) -> None:
+    for fmt in formats:
+        begin = start
+        while begin < start + n:
+            t0 = time.monotonic()
+            env = dict(os.environ, GPULAZY_FUZZ_START=str(begin), GPULAZY_FUZZ_N=str(start + n - begin),
+                       GPULAZY_FUZZ_LOG=log)
+            proc = subprocess.run([sys.executable, "-m", "pytest", f"tests/fuzz/test_fuzz_{fmt}.py", "-q",
+                                   "-p", "no:cacheprovider", "--no-header", "-rN"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(f"{fmt} seeds {begin}..{start + n - 1}: pytest exit {proc.returncode} "
+                  f"in {time.monotonic() - t0:.0f} s", flush=True)
+            if proc.returncode >= 0:
+                break
+            dead = _unfinished(log, fmt)  # killed by a signal: the case that was running did it
+            _append(log, {"fmt": fmt, "seed": dead, "event": "abort", "error": f"signal {-proc.returncode}"})
+            begin = dead + 1
+
+
+def _records(log: str) -> list[dict]:
+    with open(log) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _unfinished(log: str, fmt: str) -> int:
+    started, done = {}, set()
+    for r in _records(log):
+        if r["fmt"] == fmt:
+            (done.add(r["seed"]) if r["event"] in ("end", "abort") else started.__setitem__(r["seed"], r))
+    return max(s for s in started if s not in done)
+
+
+def _append(log: str, record: dict) -> None:
+    with open(log, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _cause(read: str, problem: str, detail: str, record: dict) -> str:
+    if problem in ("crash", "unnamed"):
+        head = detail.split(": ")[0]
+        return f"{problem}: {re.sub(r'0x[0-9a-f]+|[0-9]+', 'N', head)}"  # type and place, without numbers
+    return f"{problem} on the {read} read ({record['variant']}, {record['kind']})"
+
+
+def tally(log: str) -> None:
+    cases: dict[str, set] = defaultdict(set)
+    failing: dict[str, set] = defaultdict(set)
+    causes: dict[tuple[str, str], list[int]] = defaultdict(list)
+    seconds: dict[str, float] = defaultdict(float)
+    for r in _records(log):
+        fmt = r["fmt"]
+        if r["event"] == "end":
+            cases[fmt].add(r["seed"])
+            seconds[fmt] += r["seconds"]
+            for read, problem, detail in r["problems"]:
+                failing[fmt].add(r["seed"])
+                causes[fmt, _cause(read, problem, detail, r)].append(r["seed"])
+        elif r["event"] == "abort":
+            cases[fmt].add(r["seed"])
+            failing[fmt].add(r["seed"])
+            kind = "hang" if "Timeout" in r["error"] else r["error"].split(":")[0]
+            causes[fmt, f"abort: {kind}"].append(r["seed"])
+    for fmt in sorted(cases, key=FORMATS.index):
+        print(f"{fmt}: {len(cases[fmt])} cases, {len(failing[fmt])} failing, {seconds[fmt]:.0f} s in cases")
+        for (f, cause), seeds in sorted(causes.items(), key=lambda kv: -len(set(kv[1]))):
+            if f == fmt:
+                seeds = sorted(set(seeds))
+                print(f"  {len(seeds):5d}  {cause}  (seed {seeds[0]}; also {seeds[1:4]})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.fuzz.report")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--n", type=int, default=1000)
+    r.add_argument("--start", type=int, default=0)
+    r.add_argument("--log", required=True)
+    r.add_argument("--formats", nargs="*", default=FORMATS)
+    t = sub.add_parser("tally")
+    t.add_argument("log")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        run(args.n, args.log, args.formats, args.start)
+        tally(args.log)
+    else:
+        tally(args.log)
+
+
+if __name__ == "__main__":
+    main()

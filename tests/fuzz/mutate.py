@@ -211,6 +211,19 @@ def swap_regions(sample: Sample, rng: random.Random) -> Mutation | None:
     return Mutation("swap-pieces", f"swap the stored pieces {a.name} and {b.name} ({a.nbytes} bytes each)")
 
 
+def swap_keeping_mtime(sample: Sample, rng: random.Random) -> Mutation | None:
+    """``swap_regions``, then each changed file's mtime set back (``touch -r``, ``rsync -t``, ``cp -p``):
+    same path, size and mtime, other bytes."""
+    stamps = {rel: os.stat(sample.path(rel)).st_mtime_ns for rel in sample.files()}
+    m = swap_regions(sample, rng)
+    if m is None:
+        return None
+    for rel, ns in stamps.items():
+        if os.path.exists(sample.path(rel)):
+            os.utime(sample.path(rel), ns=(ns, ns))
+    return Mutation("swap-keep-mtime", m.description + ", mtimes set back")
+
+
 def reencode(sample: Sample, rng: random.Random) -> Mutation | None:
     """A piece replaced by a valid encoding of fewer or more elements than it holds."""
     if sample.encode is None or sample.store is None or not sample.regions:
@@ -311,7 +324,7 @@ def json_edit(sample: Sample, rng: random.Random) -> Mutation | None:
 
 
 GENERIC = [bit_flips, bit_flips, overwrite, insert_or_delete, truncate, truncate, append, set_field, set_field,
-           set_field, swap_regions, reencode, reencode, delete_chunk_file, empty_chunk_file, swap_chunk_files,
+           set_field, swap_regions, swap_keeping_mtime, reencode, reencode, delete_chunk_file, empty_chunk_file, swap_chunk_files,
            json_edit, json_edit]
 
 

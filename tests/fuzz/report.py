@@ -68,6 +68,7 @@ CAUSES = {
     "F": "a TIFF whose tags are malformed or disagree (a count, type or value offset; strips vs image size) "
          "is read, not refused",
     "G": "Zarr's crc32c codec is checked only with verify=True: a corrupt chunk reads as data",
+    "H": "HDF5 with a damaged chunk B-tree: gpulazy's chunk map (H5Dchunk_iter) and the HDF5 library's read disagree",
 }
 
 
@@ -90,6 +91,8 @@ def _cause(read: str, problem: str, detail: str, r: dict) -> str:
         letter = "C" if read == "verify" else "G"
     elif r["fmt"] == "tiff" and problem == "data-on-rejected" and kind in ("field", "bitflip", "overwrite", "shift"):
         letter = "F"
+    elif r["fmt"] == "hdf5" and kind == "h5-word" and problem == "wrong-data":
+        letter = "H"
     elif kind == "reencode" or (kind == "json" and re.search(r"set (dtype|chunks|shape)", mutation)):
         letter = "A"
     else:

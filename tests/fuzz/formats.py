@@ -67,7 +67,8 @@ def _tiff(variant: str, folder: Path) -> Sample:
 
     data = pristine()
     kw = {"plain": dict(rowsperstrip=8), "tiled": dict(tile=(16, 16)), "zstd": dict(tile=(16, 16), compression="zstd"),
-          "deflate": dict(rowsperstrip=8, compression="zlib", predictor=True), "multipage": dict(rowsperstrip=16),
+          "deflate": dict(rowsperstrip=8, compression="zlib", predictor=True),
+          "multipage": dict(rowsperstrip=16, photometric="minisblack"),  # pages, not one planar RGB page
           "ome": dict(tile=(16, 16), ome=True, metadata={"axes": "ZYX", "UUID": _OME_UUID})}[variant]
     arr = data if variant in ("multipage", "ome") else data[0]
     name = "a.ome.tif" if variant == "ome" else "a.tif"

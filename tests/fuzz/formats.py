@@ -88,7 +88,7 @@ def _tiff(variant: str, folder: Path) -> Sample:
     else:
         sample.encode = lambda v: v.astype("<u2").tobytes()
     sample.store = _tiff_store
-    sample.extra = [_tiff_swap_offsets]
+    sample.extra = [_tiff_swap_offsets, _tiff_cut_at_ifd]
     return sample
 
 
@@ -150,6 +150,21 @@ def _tiff_swap_offsets(sample: Sample, rng: random.Random) -> Mutation | None:
     write(sample, sample.regions[a].file, blob)
     return Mutation("swap-offsets", f"swap the offsets{' and byte counts' if with_counts else ''} of "
                     f"{sample.regions[a].name} and {sample.regions[b].name}")
+
+
+def _tiff_cut_at_ifd(sample: Sample, rng: random.Random) -> Mutation | None:
+    """The file cut where a later page's IFD begins (or just after): what an interrupted writer leaves."""
+    import tifffile
+
+    with tifffile.TiffFile(sample.target) as tf:
+        starts = [p.offset for p in tf.pages][1:]
+    if not starts:
+        return None
+    at = rng.choice(starts) + rng.choice([0, 0, 1, 2])
+    size = os.path.getsize(sample.target)
+    os.truncate(sample.target, at)
+    return Mutation("truncate-ifd", f"truncate {os.path.basename(sample.target)} from {size} to {at} bytes, at a "
+                    "later page's IFD")
 
 
 def _tiff_reference(sample: Sample) -> list[np.ndarray]:

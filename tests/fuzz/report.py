@@ -19,6 +19,8 @@ import sys
 import time
 from collections import defaultdict
 
+from .harness import CAUSES, CI_N
+
 FORMATS = ["tiff", "zarr2", "zarr3", "hdf5", "npy"]
 
 
@@ -59,17 +61,6 @@ def _append(log: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-CAUSES = {
-    "A": "a chunk that decodes to the wrong number of bytes is not refused",
-    "B": "a blosc frame's own length is not checked against its stored piece",
-    "C": "verify=True is skipped on the whole-array path",
-    "D": "a chunk changed in place is served stale from the cache",
-    "E": "a damaged multi-page TIFF opens with fewer pages",
-    "F": "a TIFF whose tags are malformed or disagree (a count, type or value offset; strips vs image size) "
-         "is read, not refused",
-    "G": "Zarr's crc32c codec is checked only with verify=True: a corrupt chunk reads as data",
-    "H": "HDF5 with a damaged chunk B-tree: gpulazy's chunk map (H5Dchunk_iter) and the HDF5 library's read disagree",
-}
 
 
 def _cause(read: str, problem: str, detail: str, r: dict) -> str:
@@ -126,6 +117,28 @@ def tally(log: str) -> None:
                 print(f"  {len(seeds):5d}  {cause}  (seed {seeds[0]}; also {seeds[1:4]})")
 
 
+def known(log: str) -> None:
+    """The ``KNOWN_FAILURES`` table for ``log``: each failing CI seed, and the first seed of each
+    (format, cause); a seed with several causes gets them all (``"C+D"``)."""
+    letters: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for r in _records(log):
+        if r["event"] == "end":
+            for read, problem, detail in r["problems"]:
+                letters[r["fmt"], r["seed"]].add(_cause(read, problem, detail, r).split(":")[0])
+        elif r["event"] == "abort":
+            letters[r["fmt"], r["seed"]].add("?")
+    first: dict[tuple[str, str], int] = {}
+    for (fmt, seed), found in sorted(letters.items()):
+        for letter in found:
+            first.setdefault((fmt, letter), seed)
+    keep = sorted({k for k in letters if k[1] < CI_N} | {(fmt, seed) for (fmt, _), seed in first.items()},
+                  key=lambda k: (FORMATS.index(k[0]), k[1]))
+    print("KNOWN_FAILURES: dict[tuple[str, int], str] = {")
+    for fmt, seed in keep:
+        print(f'    ("{fmt}", {seed}): "{"+".join(sorted(letters[fmt, seed]))}",')
+    print("}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tests.fuzz.report")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -136,10 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--formats", nargs="*", default=FORMATS)
     t = sub.add_parser("tally")
     t.add_argument("log")
+    k = sub.add_parser("known")
+    k.add_argument("log")
     args = p.parse_args(argv)
     if args.cmd == "run":
         run(args.n, args.log, args.formats, args.start)
         tally(args.log)
+    elif args.cmd == "known":
+        known(args.log)
     else:
         tally(args.log)
 

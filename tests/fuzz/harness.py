@@ -33,7 +33,7 @@ import pytest
 from .formats import LARGE, VARIANTS, Rejected, TooLarge, build, reference
 from .mutate import Mutation, Sample, mutate
 
-CI_N = 6  # seeds per format in CI (plus the known failures' seeds); GPULAZY_FUZZ_N overrides
+CI_N = 12  # seeds per format in CI (plus the known failures' seeds); GPULAZY_FUZZ_N overrides
 TIMEOUT = 30  # seconds per case: a read that takes longer is a hang
 MEMORY_SLACK = 16 << 20  # tracemalloc peak allowed over 16 x the sample's bytes (dask and numpy bookkeeping)
 
@@ -55,7 +55,23 @@ CAUSES = {
 # reproducer per (format, cause), each run in CI as a non-strict xfail. Remove a cause's
 # entries once its fix is merged (they then XPASS); ``python -m tests.fuzz.report known LOG``
 # prints the table for a log.
-KNOWN_FAILURES: dict[tuple[str, int], str] = {}
+KNOWN_FAILURES: dict[tuple[str, int], str] = {
+    ("tiff", 2): "C",
+    ("tiff", 5): "E",
+    ("tiff", 10): "F",
+    ("tiff", 14): "A",
+    ("tiff", 32): "C+D",
+    ("zarr2", 3): "D",
+    ("zarr2", 4): "C",
+    ("zarr2", 8): "B",
+    ("zarr2", 11): "B",
+    ("zarr2", 43): "A",
+    ("zarr3", 14): "C+G",
+    ("zarr3", 29): "A",
+    ("zarr3", 48): "D",
+    ("hdf5", 22): "C",
+    ("hdf5", 37): "H",
+}
 
 
 # -- which seeds ------------------------------------------------------------------------

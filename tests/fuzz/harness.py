@@ -254,7 +254,7 @@ def _run_case(fmt: str, seed: int, variant: str, tmp_path: Path) -> None:
     warm = read_dask(sample)  # the default cache now holds the pristine chunks
     assert same(warm, sample.data), f"the pristine {fmt} sample {variant} reads wrong: harness bug"
     mutation = mutate(sample, rng)
-    refs, ref_state, lenient = _reference(sample)
+    refs, ref_state, lenient, described = _reference(sample)
     problems, outcomes = [], {}
     tracemalloc.start()
     try:
@@ -271,7 +271,9 @@ def _run_case(fmt: str, seed: int, variant: str, tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
         _close_handles()
-    budget = MEMORY_SLACK + 16 * (_sample_bytes(sample) + sample.data.nbytes)
+    # A chunk index costs memory per chunk the metadata describes (a Zarr shape made 1000x larger
+    # is a legal sparse array): the described bytes count, a few times over.
+    budget = MEMORY_SLACK + 16 * (_sample_bytes(sample) + sample.data.nbytes) + 4 * described
     if peak > budget:
         problems.append(("all", "memory", f"tracemalloc peak {peak} bytes over the budget {budget}"))
     _log({"fmt": fmt, "seed": seed, "variant": variant, "event": "end", "kind": mutation.kind,
@@ -284,11 +286,11 @@ def _run_case(fmt: str, seed: int, variant: str, tmp_path: Path) -> None:
 def _reference(sample: Sample):
     try:
         refs = reference(sample)
-        return refs, f"reads {_describe(refs[0])}", []
+        return refs, f"reads {_describe(refs[0])}", [], max(r.nbytes for r in refs)
     except Rejected as e:
-        return None, f"rejected ({e})", e.lenient
+        return None, f"rejected ({e})", e.lenient, 0
     except TooLarge as e:
-        return None, f"large ({e})", []
+        return None, f"large ({e})", [], e.nbytes
 
 
 def failure_message(fmt, seed, variant, mutation, ref_state, problems) -> str:

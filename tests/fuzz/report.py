@@ -65,7 +65,7 @@ def _append(log: str, record: dict) -> None:
 
 def _cause(read: str, problem: str, detail: str, r: dict) -> str:
     """A cause for a problem, by rules checked against representative seeds by hand; '?' where none fits."""
-    if problem in ("crash", "unnamed"):
+    if problem in ("crash", "unnamed", "memory"):
         head = detail.split(": ")[0]
         return f"{problem}: {re.sub(r'0x[0-9a-f]+|[0-9]+', 'N', head)}"  # type and place, without numbers
     kind, variant, mutation = r["kind"], r["variant"], r["mutation"]

@@ -10,4 +10,8 @@ the format's reference reader (``harness.py``). The rule, and how to run it::
     GPULAZY_FUZZ_N=1000 PYTHONPATH=$PWD pytest tests/fuzz/test_fuzz_tiff.py   # 1000 seeds of one format
     GPULAZY_FUZZ_SEEDS=17,40-45 PYTHONPATH=$PWD pytest tests/fuzz/test_fuzz_tiff.py  # given seeds
     PYTHONPATH=$PWD python -m tests.fuzz.report run --n 1000 --log /tmp/fuzz.jsonl  # tallied by cause
+    PYTHONPATH=$PWD python -m tests.fuzz.report known /tmp/fuzz.jsonl   # the KNOWN_FAILURES table for a log
+
+Seeds known to fail on the unfixed code are listed, with their cause, in ONE table:
+``harness.KNOWN_FAILURES`` (non-strict xfail; remove a cause's entries once it is fixed).
 """

@@ -14,7 +14,9 @@ damage changed reached the result) OR a ``GpulazyError`` whose message names the
 folder. For ``verify`` the data must be the pristine data unless the mutation touched only
 metadata files the manifest cannot guard (Zarr JSON) or deleted a chunk file (Zarr reads it
 as fill). Never another exception, never more memory than the files justify (traced with
-``tracemalloc``), never a hang (each case has a ``pytest-timeout``).
+``tracemalloc``), never a hang (each case has a ``pytest-timeout``). A ``dask`` read that
+breaks the rule is read again without the cache: where that one obeys it, the problem is
+named ``stale-cache``.
 """
 
 from __future__ import annotations

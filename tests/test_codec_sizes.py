@@ -361,3 +361,28 @@ def test_gpu_short_piece_raises_with_sizes(name):
     with pytest.raises(ChunkDecodeError) as e:
         decode_pieces([cupy.asarray(short)], (CODECS[name],), [data.nbytes], get_device("cuda:0"), where=where)
     assert e.value.path == "bad.bin" and e.value.expected == data.nbytes and e.value.got == data.nbytes // 2
+
+
+def test_zarr_v3_crc32c_mismatch_raises_on_every_read(tmp_path, device):
+    """Zarr's crc32c codec is a step of the chain: checked on every read (as zarr-python does),
+    not only with verify=True; a flipped payload byte raised nothing before."""
+    import zarr
+    from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
+
+    p = str(tmp_path / "c.zarr")
+    data = np.arange(32 * 32, dtype="<u2").reshape(32, 32)
+    z = zarr.create_array(p, shape=data.shape, chunks=(16, 32), dtype="<u2",
+                          serializer=BytesCodec(), compressors=[ZstdCodec(level=1), Crc32cCodec()])
+    z[:] = data
+    chunk = os.path.join(p, "c", "1", "0")
+    st = os.stat(chunk)
+    blob = bytearray(open(chunk, "rb").read())
+    blob[len(blob) // 2] ^= 0x40
+    open(chunk, "wb").write(bytes(blob))
+    os.utime(chunk, ns=(st.st_atime_ns, st.st_mtime_ns))
+    vol = gpulazy.from_files(p, device=device, cache=False, chunks=(16, 32))
+    for compute in (lambda: vol.compute(), lambda: vol[10:20].sum().compute(scheduler="threads")):
+        with pytest.raises(ChunkDecodeError, match="crc32c") as e:
+            compute()
+        assert chunk in str(e.value)
+    np.testing.assert_array_equal(to_host(vol[:16].compute()), data[:16])  # the intact chunk reads

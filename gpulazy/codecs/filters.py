@@ -7,7 +7,8 @@
   wrap-around in a block-wide scan, exactly what NumPy's ``cumsum`` cast to ``dtype``
   gives; floats (``dtype == astype``) sum one element after the other in one thread per
   piece, because a parallel scan would round differently from NumPy's sequential one.
-- ``crc32c`` (Zarr v3): the 4-byte checksum stripped (a view; not verified, as on the host).
+- ``crc32c`` (Zarr v3): the 4-byte checksum checked (one CRC kernel over the batch) and
+  stripped (a view); a mismatch goes to the host, which names the file.
 
 The kernels take tables of device pointers, so one launch covers pieces that live in
 different buffers. They are written here rather than taken from a library because no
@@ -58,7 +59,7 @@ def handles(c: Codec) -> bool:
 def decode(pieces: Sequence[Any], c: Codec) -> list[Any]:
     """Every piece (1-D CuPy uint8) through filter ``c``, one kernel launch for the batch."""
     if c.id == "crc32c":
-        return [p[:max(0, p.size - 4)] for p in pieces]
+        return _checked_crc32c(pieces)
     if c.id == "shuffle":
         es = int(c.get("elementsize", 4))
         if es <= 1:
@@ -69,6 +70,30 @@ def decode(pieces: Sequence[Any], c: Codec) -> list[Any]:
     if c.id == "delta":
         return _delta(pieces, c)
     raise ValueError(f"no GPU kernel for {c.id!r}")
+
+
+def _checked_crc32c(pieces: Sequence[Any]) -> list[Any]:
+    """Each piece without its 4-byte CRC32C trailer, the trailer checked on the GPU (one kernel
+    over all payloads, one copy of the trailers down). A mismatch, a piece too short or a GPU
+    whose CRC kernel is not usable raises ``ValueError``: the host then decodes those pieces
+    and names the file."""
+    import cupy
+
+    from gpulazy import _crc32c_cuda
+
+    if any(int(p.size) < 4 for p in pieces):
+        raise ValueError("a crc32c piece shorter than its checksum")
+    if not pieces or not _crc32c_cuda.usable(cupy.cuda.Device().id):
+        raise ValueError("the CRC32C kernel is not usable here")
+    payloads = [p[: p.size - 4] for p in pieces]
+    lengths = np.array([int(p.size) for p in payloads], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    flat = cupy.concatenate(payloads) if lengths.sum() else cupy.zeros(1, cupy.uint8)
+    got = _crc32c_cuda.segment_crcs(flat, starts, lengths, np.zeros(len(pieces), np.uint32))
+    stored = cupy.concatenate([p[p.size - 4:] for p in pieces]).get().view("<u4")
+    if not np.array_equal(np.asarray(got, np.uint32), stored):
+        raise ValueError("a crc32c checksum does not match")
+    return payloads
 
 
 def aligned(pieces: Sequence[Any], align: int) -> list[Any]:

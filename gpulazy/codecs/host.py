@@ -20,10 +20,19 @@ __all__ = ["decode", "decode_step", "unsupported_reason", "SPECIAL"]
 
 
 def _strip_crc32c(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
-    # Zarr v3's crc32c codec appends a 4-byte checksum; verification is on demand elsewhere.
+    # Zarr v3's crc32c codec appends the CRC32C of the bytes before it (little-endian): a
+    # step of the chain like any other, so it is checked on every read, as zarr-python does
+    # (a corrupt chunk read as data when only verify=True checked it).
+    from gpulazy.checksums import crc32c
+
     if data.size < 4:
         raise FrameError(f"a crc32c piece of {data.size} bytes cannot hold its 4-byte checksum")
-    return data[:-4]
+    payload = data[:-4]
+    stored = int.from_bytes(data[-4:].tobytes(), "little")
+    got = crc32c(payload)
+    if got != stored:
+        raise FrameError(f"its crc32c checksum does not match: stored {stored:#010x}, computed {got:#010x}")
+    return payload
 
 
 def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:

@@ -53,11 +53,9 @@ CAUSES = {
     "H": "HDF5 with a damaged chunk B-tree: gpulazy's chunk map (H5Dchunk_iter) and the HDF5 library's read disagree",
 }
 
-# ONE table of the seeds known to fail on the unfixed code: every failing CI seed and one
-# reproducer per (format, cause), each run in CI as a non-strict xfail. Remove a cause's
-# entries once its fix is merged (they then XPASS); ``python -m tests.fuzz.report known LOG``
-# prints the table for a log.
-KNOWN_FAILURES: dict[tuple[str, int], str] = {
+# The reproducer seeds of every cause found on 2f3a4d7 (the CI seeds that failed and one per
+# (format, cause)): run in CI as plain cases, so a cause that comes back fails CI.
+REGRESSIONS: dict[tuple[str, int], str] = {
     ("tiff", 2): "C",
     ("tiff", 5): "E",
     ("tiff", 10): "F",
@@ -72,6 +70,12 @@ KNOWN_FAILURES: dict[tuple[str, int], str] = {
     ("zarr3", 29): "A",
     ("zarr3", 48): "D",
     ("hdf5", 22): "C",
+}
+
+# ONE table of the seeds known to fail now, each run in CI as a non-strict xfail. Remove an
+# entry once its fix is merged (it then XPASSes); ``python -m tests.fuzz.report known LOG``
+# prints the table for a log.
+KNOWN_FAILURES: dict[tuple[str, int], str] = {
     ("hdf5", 37): "H",
 }
 
@@ -91,12 +95,12 @@ def _parse_seeds(text: str) -> list[int]:
 
 def seeds(fmt: str) -> list[int]:
     """``GPULAZY_FUZZ_SEEDS`` (``"17,40-45"``) if set; else ``GPULAZY_FUZZ_N`` seeds from
-    ``GPULAZY_FUZZ_START`` (default ``CI_N`` from 0) plus the format's known failures."""
+    ``GPULAZY_FUZZ_START`` (default ``CI_N`` from 0) plus the format's regression and known-failure seeds."""
     if os.environ.get("GPULAZY_FUZZ_SEEDS"):
         return _parse_seeds(os.environ["GPULAZY_FUZZ_SEEDS"])
     start = int(os.environ.get("GPULAZY_FUZZ_START", "0"))
     n = int(os.environ.get("GPULAZY_FUZZ_N", str(CI_N)))
-    known = {s for (f, s) in KNOWN_FAILURES if f == fmt} if start == 0 else set()
+    known = {s for (f, s) in {**REGRESSIONS, **KNOWN_FAILURES} if f == fmt} if start == 0 else set()
     return sorted(set(range(start, start + n)) | known)
 
 

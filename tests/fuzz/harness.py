@@ -50,7 +50,10 @@ CAUSES = {
     "F": "a TIFF whose IFDs or tags are malformed or disagree (a tag's count, type or value offset; an IFD "
          "shifted by inserted or deleted bytes; strips vs image size) is read, not refused",
     "G": "Zarr's crc32c codec is checked only with verify=True: a corrupt chunk reads as data",
-    "H": "HDF5 with a damaged chunk B-tree: gpulazy's chunk map (H5Dchunk_iter) and the HDF5 library's read disagree",
+    "H": "HDF5 with a damaged chunk B-tree: the HDF5 library's own calls disagree (seed 37: H5Dchunk_iter and "
+         "H5Dget_chunk_info_by_coord find an edge chunk at its offset, which gpulazy reads; the storage-size "
+         "lookup h5py's reads use finds none, so h5py gives the fill value); only a read of every chunk through "
+         "h5py at open would notice",
 }
 
 # The reproducer seeds of every cause found on 2f3a4d7 (the CI seeds that failed and one per

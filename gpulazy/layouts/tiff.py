@@ -27,8 +27,11 @@ a last axis for contiguous RGB), so it equals ``tifffile.imread``.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
+import re
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -159,8 +162,9 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
 
     st = os.stat(path)  # a missing or unreadable file is an OSError of its own (resolve_paths checked)
     try:
-        with tifffile.TiffFile(path) as tif:
+        with _TagComplaints(path) as complaints, tifffile.TiffFile(path) as tif:
             _check_ifd_chain(tif, path, st.st_size)
+            complaints.check(tif)
             _check_declared_pages(tif, None, path)  # before tifffile builds series of what is there
             s = _series(tif, path, series)
             _check_declared_pages(tif, s, path)
@@ -181,6 +185,42 @@ def _scan(path: str, series: int, levels: Sequence[int] | None) -> list[_Found]:
         # OSError from a seek to a negative offset...) on a corrupt header: all mean the same here.
         raise LayoutError(f"cannot parse the TIFF header of {path!r} ({st.st_size} bytes): {type(e).__name__}: {e}; "
                           "the file is truncated or corrupt") from e
+
+
+# -- tags tifffile could not read -------------------------------------------------------------
+#: Tags that say where a page's pixels are and how they are stored. tifffile logs a tag it
+#: cannot read (a count, type or value offset out of range) and goes on without it: a page whose
+#: Predictor or byte counts were dropped would then be read as other pixels.
+_PIXEL_TAGS = frozenset({254, 256, 257, 258, 259, 262, 273, 277, 278, 279, 284, 317, 322, 323, 324, 325, 338, 339,
+                         32997, 32998})
+
+
+class _TagComplaints(logging.Handler):
+    """Collects what tifffile logs, in this thread, while a file is parsed; ``check`` refuses the
+    file when a complaint names a tag of ``_PIXEL_TAGS``."""
+
+    def __init__(self, path: str):
+        super().__init__(logging.WARNING)
+        self.path, self.thread, self.said = path, threading.get_ident(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.said.append(record.getMessage())
+
+    def __enter__(self) -> _TagComplaints:
+        logging.getLogger("tifffile").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("tifffile").removeHandler(self)
+
+    def check(self, tif: Any) -> None:
+        len(tif.pages)  # every IFD parsed: its complaints are in
+        for message in self.said:
+            tag = re.search(r"TiffTag (\d+)", message)
+            if tag and int(tag.group(1)) in _PIXEL_TAGS:
+                raise LayoutError(f"TIFF {self.path!r}: tag {tag.group(1)}, which says where or how pixels are "
+                                  f"stored, cannot be read ({message}); the file is corrupt")
 
 
 # -- pages the file lacks ----------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -391,19 +392,12 @@ def test_a_jump_cancels_and_warms_around_the_new_plane(model, volume):
 
 def test_read_error_becomes_a_notification_naming_the_file(model, volume):
     path, _ = volume
-    from napari.utils.notifications import notification_manager
-
     _open(model, path)
     with gpulazy.config.set(cache=False):                   # no cached chunk hides the damage
         with open(path, "r+b") as f:
             f.truncate(1000)                                # the file shrinks after opening
-        seen = []
-        notification_manager.notification_ready.connect(seen.append)
-        try:
-            with pytest.raises(OSError, match=os.path.basename(path)):
-                model.dims.set_current_step(0, 30)
-        finally:
-            notification_manager.notification_ready.disconnect(seen.append)
+        with _notifications() as seen, pytest.raises(OSError, match=os.path.basename(path)):
+            model.dims.set_current_step(0, 30)
     messages = [str(n.message) for n in seen]
     assert any(path in m and "gpulazy could not read" in m for m in messages), messages
 
@@ -483,22 +477,39 @@ def test_contrast_limits_of_flat_and_nan_data(model, tmp_path):
     assert kwargs["contrast_limits"] == (-2.5, 4.0)                            # NaNs are no extremes
 
 
-def _write_run_h5(path, h5py):
-    data = np.random.default_rng(8).random((8, 32, 24), dtype="f4")
-    dark = np.random.default_rng(9).integers(0, 50, (32, 24), dtype="u2")
+def _h5(path, datasets, compact=()):
+    """An HDF5 file of ``{name: array}``, plus a compact dataset for each name in ``compact``."""
+    h5py = pytest.importorskip("h5py")
     with h5py.File(path, "w") as f:
-        f.create_dataset("entry/data", data=data, chunks=(2, 32, 24))
-        f.create_dataset("entry/dark", data=dark)
-        f.create_dataset("entry/angles", data=np.linspace(0, 180, 8))         # 1-D: not an image
-        f.create_dataset("entry/column", data=np.zeros((32, 1), "f4"))         # one column: not an image
-    return data, dark
+        for name, a in datasets.items():
+            f.create_dataset(name, data=a)
+        for name in compact:                                                  # no byte range to read
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_layout(h5py.h5d.COMPACT)
+            h5py.h5d.create(f.id, name.encode(), h5py.h5t.NATIVE_UINT8, h5py.h5s.create_simple((4, 4)), dcpl=dcpl)
+    return str(path)
+
+
+@contextmanager
+def _notifications():
+    """The napari notifications shown inside the block."""
+    from napari.utils.notifications import notification_manager
+
+    seen = []
+    notification_manager.notification_ready.connect(seen.append)
+    try:
+        yield seen
+    finally:
+        notification_manager.notification_ready.disconnect(seen.append)
 
 
 @_needs_layout("hdf5")
 def test_hdf5_with_several_datasets_opens_a_layer_for_each_image(model, tmp_path):
-    h5py = pytest.importorskip("h5py")
-    p = str(tmp_path / "run.h5")
-    data, dark = _write_run_h5(p, h5py)
+    data = np.random.default_rng(8).random((8, 32, 24), dtype="f4")
+    dark = np.random.default_rng(9).integers(0, 50, (32, 24), dtype="u2")
+    p = _h5(tmp_path / "run.h5", {"entry/data": data, "entry/dark": dark,
+                                  "entry/angles": np.linspace(0, 180, 8),        # 1-D: not an image
+                                  "entry/column": np.zeros((32, 1), "f4")})      # one column: not an image
     layers = model.open(p, plugin="gpulazy")
     assert [(lay.name, lay.visible) for lay in layers] == [("run.h5/entry/dark", False), ("run.h5/entry/data", True)]
     assert model.layers.selection.active is layers[-1]                       # the largest: on top, selected
@@ -511,12 +522,9 @@ def test_hdf5_with_several_datasets_opens_a_layer_for_each_image(model, tmp_path
 
 @_needs_layout("hdf5")
 def test_hdf5_image_beside_an_axis_array_opens_as_one_layer(model, tmp_path):
-    h5py = pytest.importorskip("h5py")
     data = np.arange(3 * 6 * 5, dtype="i4").reshape(3, 6, 5)
-    p = str(tmp_path / "scan.nxs")
-    with h5py.File(p, "w") as f:
-        f.create_dataset("entry/data/data", data=data)
-        f.create_dataset("entry/data/z", data=np.arange(3.0))                 # a NeXus axis beside the image
+    # A NeXus axis beside the image made the file ambiguous ("holds 2 numeric array datasets").
+    p = _h5(tmp_path / "scan.nxs", {"entry/data/data": data, "entry/data/z": np.arange(3.0)})
     (layer,) = model.open(p, plugin="gpulazy")
     assert layer.name == "scan.nxs/entry/data/data"
     model.dims.set_current_step(0, 2)
@@ -525,22 +533,10 @@ def test_hdf5_image_beside_an_axis_array_opens_as_one_layer(model, tmp_path):
 
 @_needs_layout("hdf5")
 def test_hdf5_dataset_gpulazy_cannot_read_is_named_and_the_others_open(model, tmp_path):
-    h5py = pytest.importorskip("h5py")
-    from napari.utils.notifications import notification_manager
-
     data = np.arange(4 * 6 * 5, dtype="u2").reshape(4, 6, 5)
-    p = str(tmp_path / "mixed.h5")
-    with h5py.File(p, "w") as f:
-        f.create_dataset("data", data=data)
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_layout(h5py.h5d.COMPACT)                                     # no byte range to read
-        h5py.h5d.create(f.id, b"small", h5py.h5t.NATIVE_UINT8, h5py.h5s.create_simple((4, 4)), dcpl=dcpl)
-    seen = []
-    notification_manager.notification_ready.connect(seen.append)
-    try:
+    p = _h5(tmp_path / "mixed.h5", {"data": data}, compact=["small"])
+    with _notifications() as seen:
         (layer,) = model.open(p, plugin="gpulazy")
-    finally:
-        notification_manager.notification_ready.disconnect(seen.append)
     assert layer.name == "mixed.h5/data"
     np.testing.assert_array_equal(np.asarray(layer.data), data)
     assert any("'/small'" in str(n.message) and p in str(n.message) and "compact" in str(n.message) for n in seen)

@@ -574,6 +574,21 @@ def test_tiff_axes_reach_napari_meaningful_or_napari_s_own(model, tmp_path):
     np.testing.assert_array_equal(_shown(layer), data[4])
 
 
+@_needs_layout("zarr")
+def test_zarr_dimension_names_become_axis_labels(model, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    data = np.arange(2 * 3 * 8 * 6, dtype="u2").reshape(2, 3, 8, 6)
+    p = str(tmp_path / "named.zarr")
+    arr = zarr.create_array(p, shape=data.shape, dtype=data.dtype, chunks=(1, 1, 8, 6),
+                            dimension_names=("t", "c", "y", "x"))
+    arr[...] = data
+    layer = _open(model, p)
+    assert tuple(layer.axis_labels) == ("t", "c", "y", "x") == tuple(model.dims.axis_labels)
+    model.dims.set_current_step(0, 1)
+    model.dims.set_current_step(1, 2)
+    np.testing.assert_array_equal(_shown(layer), data[1, 2])
+
+
 @_needs_layout("tiff")
 def test_rgb_tiff_opens_as_colour(model, tmp_path):
     tifffile = pytest.importorskip("tifffile")

@@ -221,9 +221,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     if getattr(args, "path", None):
         from gpulazy import layouts
 
-        d = describe_levels(layouts.levels(args.path), args.device)
+        opts = {"dataset": args.dataset} if getattr(args, "dataset", None) else {}
+        d = describe_levels(layouts.levels(args.path, **opts), args.device)
         print(json.dumps(d, indent=2, default=str) if args.json else format_description(d))
         return 0
+    if getattr(args, "dataset", None):
+        raise ValueError(f"--dataset {args.dataset!r} names a dataset inside a file: give the file too "
+                         "(gpulazy info PATH --dataset NAME)")
     info = collect_info(args.device)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -459,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "or, given a PATH, what that file holds and whether it decodes on the GPU")
     info.add_argument("path", nargs="?", help="a file, folder or store to describe (layout, shape, dtype, chunks, "
                       "codec, where it decodes)")
+    info.add_argument("--dataset", metavar="NAME", help="the dataset of an HDF5 file holding several "
+                      "(e.g. entry/data; an error without it lists them)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--device", help="device to report on (default: a GPU if usable, else cpu)")
     info.set_defaults(func=cmd_info)

@@ -5,7 +5,8 @@ through ``gpulazy.layouts``); it returns ``None`` for anything gpulazy cannot op
 never raises. The reader function it returns opens the data lazily with
 ``gpulazy.multiscale``: a stored pyramid (OME-Zarr, OME-TIFF) becomes a multiscale layer
 with its ``scale`` and axis names; large planes without one get a lazy pyramid built on
-the device (``_view.pyramid``). Nothing is read until napari shows a plane.
+the device (``_view.pyramid``). Nothing is read but the small sample that sets the contrast
+limits (``_contrast``); an HDF5 file gives a layer per image-like dataset.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-__all__ = ["napari_get_reader", "read_layers", "resolve_target"]
+__all__ = ["napari_get_reader", "read_layers", "resolve_target", "axis_labels"]
 
 SIDECAR_SUFFIX = ".json"
 
@@ -84,8 +85,13 @@ def _file_openable(path: str) -> bool:
 
 
 def read_layers(target: str | list[str], *, device: Any = None, chunks: Any = None, cache: Any = None,
-                pyramid_min_side: int | None = None, prefetch: bool = True) -> list[tuple]:
-    """napari layer data tuples ``[(data, kwargs, "image")]`` for ``target``, opened lazily.
+                pyramid_min_side: int | None = None, prefetch: bool = True,
+                contrast_limits: tuple[float, float] | None = None) -> list[tuple]:
+    """napari layer data tuples ``[(data, kwargs, "image"), ...]`` for ``target``, opened lazily.
+
+    One layer per image of the file: an HDF5 file holding several image-like datasets gives
+    one layer each (``"run.h5/entry/data"``), the largest last (on top, selected) and the
+    others hidden until asked for.
 
     Parameters
     ----------
@@ -99,16 +105,73 @@ def read_layers(target: str | list[str], *, device: Any = None, chunks: Any = No
         has no stored one (default ``_view.PYRAMID_MIN_SIDE``).
     prefetch
         Warm the next planes' chunks as the current napari viewer's sliders move.
+    contrast_limits
+        ``(low, high)`` for every layer; by default they are measured on the device from the
+        data (``_contrast.data_limits``) and stated in the layer's metadata.
     """
+    from gpulazy.errors import LayoutError
+
+    from napari_gpulazy._view import PYRAMID_MIN_SIDE
+
+    layers, refused = [], []
+    members = _members(target)
+    for opts in reversed(members):  # largest last: napari puts it on top
+        try:
+            layers.append(_read_layer(target, opts, device=device, chunks=chunks, cache=cache,
+                                      contrast_limits=contrast_limits, pyramid_min_side=PYRAMID_MIN_SIDE
+                                      if pyramid_min_side is None else pyramid_min_side))
+        except LayoutError as e:
+            if len(members) == 1:
+                raise
+            refused.append(e)  # one dataset gpulazy cannot read (compact, virtual...) hides no other
+    if not layers:
+        raise refused[-1]
+    if refused:
+        _notify_refused(refused)
+    for _, kwargs, _ in layers[:-1]:
+        kwargs["visible"] = False
+    if prefetch:
+        _attach_current_viewer()
+    return layers
+
+
+def _notify_refused(errors: list[Exception]) -> None:
+    try:
+        from napari.utils.notifications import show_warning
+    except ImportError:
+        return
+    show_warning("gpulazy opened the other datasets; it cannot read " + "; ".join(str(e) for e in errors))
+
+
+def _members(target: str | list[str]) -> list[dict[str, Any]]:
+    """Layout options of each image ``target`` holds, largest first: ``[{}]`` for a one-image file.
+
+    An HDF5 file names its image-like datasets (``dataset=`` each): a file holding more than one
+    array opens whole instead of failing with "pass dataset=".
+    """
+    from gpulazy import layouts
+
+    first = target if isinstance(target, str) else target[0]
+    if os.path.isdir(first) or layouts.guess_layout(first).name != "hdf5":
+        return [{}]
+    from gpulazy.layouts.hdf5 import image_datasets
+
+    names = [name for name, _, _ in image_datasets(first)]
+    return [{"dataset": n} for n in names] or [{}]
+
+
+def _read_layer(target: str | list[str], opts: dict[str, Any], *, device: Any, chunks: Any, cache: Any,
+                pyramid_min_side: int, contrast_limits: tuple[float, float] | None) -> tuple:
     import gpulazy
 
-    from napari_gpulazy._view import PYRAMID_MIN_SIDE, HostView, pyramid
+    from napari_gpulazy._view import HostView, pyramid
 
-    levels = gpulazy.multiscale(target, device=device, chunks=chunks, cache=cache)
+    levels = gpulazy.multiscale(target, device=device, chunks=chunks, cache=cache, **opts)
     base = levels[0]
+    stored_pyramid = len(levels) > 1
     label = _label(target)
-    if len(levels) == 1:
-        levels = pyramid(base, min_side=PYRAMID_MIN_SIDE if pyramid_min_side is None else pyramid_min_side)
+    if not stored_pyramid:
+        levels = pyramid(base, min_side=pyramid_min_side)
         # Derived levels read the full-resolution chunks: those are the ones to warm.
         targets = [base] * len(levels)
     else:
@@ -116,10 +179,22 @@ def read_layers(target: str | list[str], *, device: Any = None, chunks: Any = No
     views = [HostView(a, label=label, target=t) for a, t in zip(levels, targets)]
     for v in views[1:]:
         v.transfers = views[0].transfers  # one counter per layer
-    kwargs = _layer_kwargs(base, target, multiscale=len(views) > 1)
-    if prefetch:
-        _attach_current_viewer()
-    return [(views if len(views) > 1 else views[0], kwargs, "image")]
+    kwargs = _layer_kwargs(base, target, multiscale=len(views) > 1, dataset=opts.get("dataset"))
+    if not kwargs["rgb"]:  # colour keeps napari's limits (0-255 for 8 bits: the colours as stored)
+        _set_contrast(kwargs, levels, stored_pyramid, contrast_limits)
+    return (views if len(views) > 1 else views[0], kwargs, "image")
+
+
+def _set_contrast(kwargs: dict[str, Any], levels: list[Any], stored_pyramid: bool,
+                  given: tuple[float, float] | None) -> None:
+    from napari_gpulazy._contrast import data_limits
+
+    found = (tuple(given), "given") if given is not None else data_limits(levels, stored_pyramid=stored_pyramid)
+    if found is None:
+        return  # napari guesses (complex or all-NaN data)
+    limits, what = found
+    kwargs["contrast_limits"] = limits
+    kwargs["metadata"]["gpulazy"]["contrast_limits"] = {"limits": limits, "from": what}
 
 
 def _label(target: str | list[str]) -> str:
@@ -128,25 +203,68 @@ def _label(target: str | list[str]) -> str:
     return target[0] if len(target) == 1 else f"{target[0]} (+{len(target) - 1} files)"
 
 
-def _layer_kwargs(base: Any, target: str | list[str], *, multiscale: bool) -> dict[str, Any]:
+def _layer_kwargs(base: Any, target: str | list[str], *, multiscale: bool, dataset: str | None = None
+                  ) -> dict[str, Any]:
     if isinstance(target, str):
         name = os.path.basename(os.path.normpath(target))
     else:  # files of one folder: the folder's name
         name = os.path.basename(os.path.dirname(os.path.abspath(target[0])))
+    if dataset is not None:
+        name += "/" + dataset.lstrip("/")
     attrs = base.attrs
     kwargs: dict[str, Any] = {"name": name, "multiscale": multiscale,
                               "metadata": {"gpulazy": {"paths": _label(target), "device": base.chunk_source.device,
                                                        "layout": getattr(base.chunk_index, "layout", None)}}}
+    if dataset is not None:
+        kwargs["metadata"]["gpulazy"]["dataset"] = dataset
+    axes = attrs.get("axes")
+    axes = tuple(axes) if axes is not None and len(axes) == base.ndim else None
+    kwargs["rgb"] = rgb = is_rgb(base.shape, axes)
+    ndim = base.ndim - rgb  # napari's axes: a colour axis is not one of them
     scale = attrs.get("scale")
     if scale is not None and len(scale) == base.ndim:
-        kwargs["scale"] = tuple(float(s) for s in scale)
-    axes = attrs.get("axes")
-    if axes is not None and len(axes) == base.ndim:
-        kwargs["axis_labels"] = tuple(str(a) for a in axes)
+        kwargs["scale"] = tuple(float(s) for s in scale[:ndim])
+    labels = axis_labels(axes[:ndim] if axes else None, ndim)
+    if labels is not None:
+        kwargs["axis_labels"] = labels
     units = attrs.get("units")
-    if units is not None and len(units) == base.ndim and all(units):
-        kwargs["metadata"]["gpulazy"]["units"] = tuple(units)
+    if units is not None and len(units) == base.ndim and all(units[:ndim]):
+        kwargs["metadata"]["gpulazy"]["units"] = tuple(units[:ndim])
     return kwargs
+
+
+def is_rgb(shape: tuple[int, ...], axes: tuple | None) -> bool:
+    """Whether napari shows the last axis as colour: the format calls it samples (``s``, tifffile's
+    name for RGB(A)), or names it nothing and napari's own guess says so (3 or 4 long after
+    planes longer than 30 px). Given explicitly, so labels and scale have napari's length."""
+    if len(shape) < 3 or shape[-1] not in (3, 4):
+        return False
+    last = "" if axes is None or axes[-1] is None else str(axes[-1]).lower()
+    if last == "s":
+        return True
+    return last in GENERIC_AXES and all(n > 30 for n in shape[-3:-1])
+
+
+#: Axis names that say nothing about the axis (tifffile's ``q``, "other", and ``i``, "image
+#: sequence"; a raw stack's ``file``): napari's default label is shown instead.
+GENERIC_AXES = frozenset({"q", "i", "file", "", "none"})
+
+
+def axis_labels(axes: Any, ndim: int) -> tuple[str, ...] | None:
+    """napari ``axis_labels`` from a format's axis names, or ``None`` when it names none.
+
+    Names the format gives (``z``, ``y``, ``x``, ``c``, ``t`` from OME, ImageJ, Zarr
+    ``dimension_names``, a sidecar) are kept; generic ones (``GENERIC_AXES``), missing ones
+    and repeats get napari's default for their position (``"-3"`` of three axes), which
+    napari shows as its own slider label.
+    """
+    if axes is None or len(axes) != ndim:
+        return None
+    labels: list[str] = []
+    for i, a in enumerate(axes):
+        name = "" if a is None else str(a)
+        labels.append(str(i - ndim) if name.lower() in GENERIC_AXES or name in labels else name)
+    return tuple(labels) if any(lab != str(i - ndim) for i, lab in enumerate(labels)) else None
 
 
 def _attach_current_viewer() -> None:

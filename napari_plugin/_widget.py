@@ -12,7 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from qtpy.QtCore import QByteArray, QTimer
-from qtpy.QtSvg import QSvgWidget
+try:  # Qt 6 (napari's default binding) moved the SVG widget into QtSvgWidgets
+    from qtpy.QtSvgWidgets import QSvgWidget
+except ImportError:  # Qt 5
+    from qtpy.QtSvg import QSvgWidget
 from qtpy.QtWidgets import (QFormLayout, QHBoxLayout, QLabel, QLineEdit, QProgressBar, QPushButton, QSpinBox,
                             QVBoxLayout, QWidget)
 

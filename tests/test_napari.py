@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -267,7 +268,7 @@ def test_one_plane_crosses_to_the_host_not_its_chunk(model, volume):
     path, data = volume
     from napari_gpulazy import read_layers
 
-    ((view, kwargs, kind),) = read_layers(path, chunks=(8, 40, 32))
+    ((view, kwargs, kind),) = read_layers(path, chunks=(8, 40, 32), contrast_limits=(0, 1))  # no sample read
     layer = model.add_image(view, **kwargs)
     cache = _default_cache()
     view.transfers.reset()
@@ -365,7 +366,7 @@ def test_stepping_forward_hits_prefetched_chunks(model, volume):
     from napari_gpulazy import read_layers
 
     hook = napari_gpulazy.attach(model, depth=4)
-    ((view, kwargs, _),) = read_layers(path, chunks=(2, 40, 32))
+    ((view, kwargs, _),) = read_layers(path, chunks=(2, 40, 32), contrast_limits=(0, 1))  # no sample read
     layer = model.add_image(view, **kwargs)
     s = _step_forward(model, layer, data, range(2, 30))
     assert s["misses"] == 0 and s["prefetch_hits"] >= 12, s   # every new chunk was warmed ahead
@@ -391,21 +392,211 @@ def test_a_jump_cancels_and_warms_around_the_new_plane(model, volume):
 
 def test_read_error_becomes_a_notification_naming_the_file(model, volume):
     path, _ = volume
-    from napari.utils.notifications import notification_manager
-
     _open(model, path)
     with gpulazy.config.set(cache=False):                   # no cached chunk hides the damage
         with open(path, "r+b") as f:
             f.truncate(1000)                                # the file shrinks after opening
-        seen = []
-        notification_manager.notification_ready.connect(seen.append)
-        try:
-            with pytest.raises(OSError, match=os.path.basename(path)):
-                model.dims.set_current_step(0, 30)
-        finally:
-            notification_manager.notification_ready.disconnect(seen.append)
+        with _notifications() as seen, pytest.raises(OSError, match=os.path.basename(path)):
+            model.dims.set_current_step(0, 30)
     messages = [str(n.message) for n in seen]
     assert any(path in m and "gpulazy could not read" in m for m in messages), messages
+
+
+# -- as a new user meets it: install, contrast, every file opens, axis names -----------------------
+
+def test_napari_extra_brings_a_qt6_binding_and_dev_the_same():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def qt(reqs):  # the Qt binding a list of requirements brings, directly or through napari's extras
+        out = set()
+        for r in map(Requirement, reqs):
+            name = r.name.lower()
+            if name in {"pyqt5", "pyqt6", "pyside2", "pyside6"}:
+                out.add(name)
+            if name == "napari":
+                out |= {{"pyqt": "pyqt6", "qt": "pyqt6", "all": "pyqt6", "pyside": "pyside6"}.get(e, e)
+                        for e in r.extras if e in {"pyqt6", "pyside6", "pyqt", "qt", "all", "pyside", "pyqt5"}}
+        return out
+
+    assert qt(extras["napari"]) & {"pyqt6", "pyside6"}, extras["napari"]    # `napari` starts, no QtBindingsNotFound
+    assert qt(extras["dev"]) == qt(extras["napari"]), extras["dev"]         # tests run on what users get
+    assert "pyqt5" not in qt(extras["napari"]) | qt(extras["dev"])          # napari 0.9 deprecates PyQt5
+
+
+def test_contrast_limits_cover_planes_brighter_than_the_first(model, tmp_path):
+    base = 100 + np.random.default_rng(7).integers(0, 11, (24, 20), dtype="u2")
+    data = np.concatenate([base[None], np.repeat(base[None] * 10, 29, axis=0)])  # planes 1.. are 10x plane 0
+    p = str(tmp_path / "bright.npy")
+    np.save(p, data)
+    layer = _open(model, p)
+    assert tuple(layer.contrast_limits) == (data.min(), data.max())       # napari alone: plane 0's (100, 110)
+    shown = _shown(layer)
+    assert shown.max() <= layer.contrast_limits[1] and shown.max() > 5 * layer.contrast_limits[0]  # not saturated
+    said = layer.metadata["gpulazy"]["contrast_limits"]
+    assert said["limits"] == (data.min(), data.max()) and said["from"].startswith("planes [15, 0, 29")
+
+
+def test_contrast_limits_from_a_stored_pyramid_s_coarsest_level(model, tmp_path):
+    full = np.arange(4 * 32 * 32, dtype="f4").reshape(4, 32, 32)
+    half = full.reshape(4, 16, 2, 16, 2).mean(axis=(2, 4))
+    p = str(tmp_path / "pyr.ome.zarr")
+    _write_ome_zarr(p, [full, half], scale=(1.0, 1.0, 1.0))
+    layer = _open(model, p)
+    assert tuple(layer.contrast_limits) == (half.min(), half.max())      # the whole volume, summarised
+    assert "coarsest stored level (4, 16, 16)" in layer.metadata["gpulazy"]["contrast_limits"]["from"]
+
+
+def test_contrast_sample_takes_the_middle_plane_first_and_keeps_to_its_budget():
+    import dask.array as da
+
+    from napari_gpulazy._contrast import sample_planes
+
+    vol = da.zeros((40, 8, 8), dtype="u1", chunks=(4, 8, 8))                  # 256-byte chunks
+    assert sample_planes(vol, budget=0) == [(20,)]                             # the plane napari shows first
+    assert sample_planes(vol, budget=512) == [(20,), (0,)]                     # two chunks' worth
+    assert sample_planes(vol, budget=1 << 20) == [(20,), (0,), (39,), (10,), (29,)]
+    assert sample_planes(da.zeros((3, 5, 8, 8), chunks=1), budget=1 << 20)[:3] == [(1, 2), (0, 0), (2, 4)]
+    assert sample_planes(da.zeros((8, 8), chunks=4), budget=0) == [()]
+
+
+def test_contrast_limits_of_flat_and_nan_data(model, tmp_path):
+    from napari_gpulazy import read_layers
+
+    flat = tmp_path / "flat.npy"
+    np.save(flat, np.full((3, 8, 8), 7, "i2"))
+    ((_, kwargs, _),) = read_layers(str(flat), prefetch=False)
+    assert kwargs["contrast_limits"] == (7.0, 8.0)                             # napari needs low < high
+    nan = np.full((3, 8, 8), np.nan, "f4")
+    nan[1, 2, 3], nan[2, 0, 0] = -2.5, 4.0
+    np.save(tmp_path / "nan.npy", nan)
+    ((_, kwargs, _),) = read_layers(str(tmp_path / "nan.npy"), prefetch=False)
+    assert kwargs["contrast_limits"] == (-2.5, 4.0)                            # NaNs are no extremes
+
+
+def _h5(path, datasets, compact=()):
+    """An HDF5 file of ``{name: array}``, plus a compact dataset for each name in ``compact``."""
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(path, "w") as f:
+        for name, a in datasets.items():
+            f.create_dataset(name, data=a)
+        for name in compact:                                                  # no byte range to read
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_layout(h5py.h5d.COMPACT)
+            h5py.h5d.create(f.id, name.encode(), h5py.h5t.NATIVE_UINT8, h5py.h5s.create_simple((4, 4)), dcpl=dcpl)
+    return str(path)
+
+
+@contextmanager
+def _notifications():
+    """The napari notifications shown inside the block."""
+    from napari.utils.notifications import notification_manager
+
+    seen = []
+    notification_manager.notification_ready.connect(seen.append)
+    try:
+        yield seen
+    finally:
+        notification_manager.notification_ready.disconnect(seen.append)
+
+
+@_needs_layout("hdf5")
+def test_hdf5_with_several_datasets_opens_a_layer_for_each_image(model, tmp_path):
+    data = np.random.default_rng(8).random((8, 32, 24), dtype="f4")
+    dark = np.random.default_rng(9).integers(0, 50, (32, 24), dtype="u2")
+    p = _h5(tmp_path / "run.h5", {"entry/data": data, "entry/dark": dark,
+                                  "entry/angles": np.linspace(0, 180, 8),        # 1-D: not an image
+                                  "entry/column": np.zeros((32, 1), "f4")})      # one column: not an image
+    layers = model.open(p, plugin="gpulazy")
+    assert [(lay.name, lay.visible) for lay in layers] == [("run.h5/entry/dark", False), ("run.h5/entry/data", True)]
+    assert model.layers.selection.active is layers[-1]                       # the largest: on top, selected
+    assert layers[1].metadata["gpulazy"]["dataset"] == "/entry/data"
+    np.testing.assert_array_equal(np.asarray(layers[0].data), dark)
+    model.dims.set_current_step(0, 5)
+    np.testing.assert_array_equal(_shown(layers[1]), data[5])
+    assert tuple(layers[0].contrast_limits) == (dark.min(), dark.max())
+
+
+@_needs_layout("hdf5")
+def test_hdf5_image_beside_an_axis_array_opens_as_one_layer(model, tmp_path):
+    data = np.arange(3 * 6 * 5, dtype="i4").reshape(3, 6, 5)
+    # A NeXus axis beside the image made the file ambiguous ("holds 2 numeric array datasets").
+    p = _h5(tmp_path / "scan.nxs", {"entry/data/data": data, "entry/data/z": np.arange(3.0)})
+    (layer,) = model.open(p, plugin="gpulazy")
+    assert layer.name == "scan.nxs/entry/data/data"
+    model.dims.set_current_step(0, 2)
+    np.testing.assert_array_equal(_shown(layer), data[2])
+
+
+@_needs_layout("hdf5")
+def test_hdf5_dataset_gpulazy_cannot_read_is_named_and_the_others_open(model, tmp_path):
+    data = np.arange(4 * 6 * 5, dtype="u2").reshape(4, 6, 5)
+    p = _h5(tmp_path / "mixed.h5", {"data": data}, compact=["small"])
+    with _notifications() as seen:
+        (layer,) = model.open(p, plugin="gpulazy")
+    assert layer.name == "mixed.h5/data"
+    np.testing.assert_array_equal(np.asarray(layer.data), data)
+    assert any("'/small'" in str(n.message) and p in str(n.message) and "compact" in str(n.message) for n in seen)
+
+
+def test_axis_labels_keep_what_formats_name_and_default_the_rest():
+    from napari_gpulazy._reader import axis_labels
+
+    assert axis_labels(("q", "y", "x"), 3) == ("-3", "y", "x")                # tifffile's "unknown"
+    assert axis_labels(("i", "q", "y", "x"), 4) == ("-4", "-3", "y", "x")     # a stack of them
+    assert axis_labels(("file", "z", "y", "x"), 4) == ("-4", "z", "y", "x")   # a raw stack's lead axis
+    assert axis_labels(("t", "c", "z", "y", "x"), 5) == ("t", "c", "z", "y", "x")
+    assert axis_labels((None, "z", "z"), 3) == ("-3", "z", "-1")              # unnamed and repeated
+    assert axis_labels(("q", "i", None), 3) is None and axis_labels(None, 2) is None
+    assert axis_labels(("y", "x"), 3) is None                                  # not one name per axis
+
+
+@_needs_layout("tiff")
+def test_tiff_axes_reach_napari_meaningful_or_napari_s_own(model, tmp_path):
+    tifffile = pytest.importorskip("tifffile")
+    data = np.random.default_rng(10).integers(0, 4000, (6, 40, 36), dtype="u2")
+    tifffile.imwrite(tmp_path / "plain.tif", data)
+    tifffile.imwrite(tmp_path / "ij.tif", data.reshape(3, 2, 1, 40, 36), imagej=True, metadata={"axes": "TZCYX"})
+    folder = tmp_path / "slices"
+    folder.mkdir()
+    for i, plane in enumerate(data):
+        tifffile.imwrite(folder / f"s{i}.tif", plane)
+    want = {"plain.tif": ("-3", "y", "x"), "ij.tif": ("t", "z", "y", "x"), "slices": ("-3", "y", "x")}
+    for name, labels in want.items():
+        model.layers.clear()
+        layer = _open(model, str(tmp_path / name))
+        assert tuple(layer.axis_labels) == labels, name
+        assert not {"q", "i"} & set(model.dims.axis_labels), (name, model.dims.axis_labels)
+    model.dims.set_current_step(0, 4)
+    np.testing.assert_array_equal(_shown(layer), data[4])
+
+
+@_needs_layout("zarr")
+def test_zarr_dimension_names_become_axis_labels(model, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    data = np.arange(2 * 3 * 8 * 6, dtype="u2").reshape(2, 3, 8, 6)
+    p = str(tmp_path / "named.zarr")
+    arr = zarr.create_array(p, shape=data.shape, dtype=data.dtype, chunks=(1, 1, 8, 6),
+                            dimension_names=("t", "c", "y", "x"))
+    arr[...] = data
+    layer = _open(model, p)
+    assert tuple(layer.axis_labels) == ("t", "c", "y", "x") == tuple(model.dims.axis_labels)
+    model.dims.set_current_step(0, 1)
+    model.dims.set_current_step(1, 2)
+    np.testing.assert_array_equal(_shown(layer), data[1, 2])
+
+
+@_needs_layout("tiff")
+def test_rgb_tiff_opens_as_colour(model, tmp_path):
+    tifffile = pytest.importorskip("tifffile")
+    rgb = np.random.default_rng(11).integers(0, 256, (40, 36, 3), dtype="u1")
+    tifffile.imwrite(tmp_path / "rgb.tif", rgb, photometric="rgb")
+    layer = _open(model, str(tmp_path / "rgb.tif"))                            # axes 'yxs': s is colour
+    assert layer.rgb and tuple(layer.axis_labels) == ("y", "x")
+    np.testing.assert_array_equal(_shown(layer), rgb)
 
 
 # -- sample data -----------------------------------------------------------------------------------
@@ -433,7 +624,8 @@ def _qt_can_start():
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, QT_QPA_PLATFORM="xcb"))
     if r.returncode != 0:
-        return ("Qt cannot start on this display (install xvfb libxcb-icccm4 libxcb-keysyms1 libxcb-xinerama0): "
+        return ("Qt cannot start on this display (install xvfb and the xcb libraries .ci/run lists, "
+                "libxcb-cursor0 among them for Qt 6): "
                 + r.stderr.strip()[-300:])
     return None
 
@@ -474,6 +666,8 @@ def test_real_viewer_opens_steps_prefetches_and_screenshots(real_viewer, tmp_pat
     hook = napari_gpulazy._hook.hook_of(real_viewer)
     assert hook is not None                                   # the reader attached prefetch to this viewer
     hook.depth = 8
+    wait_idle(_default_cache())
+    _default_cache().clear()   # the contrast sample's chunks: the steps below measure prefetch alone
     s = _step_forward(real_viewer, layer, data, range(4, 30), wait=lambda: qtbot.wait(5))
     assert s["misses"] == 0 and s["prefetch_hits"] >= 5, s
     real_viewer.reset_view()
@@ -485,6 +679,21 @@ def test_real_viewer_opens_steps_prefetches_and_screenshots(real_viewer, tmp_pat
 
     imsave(str(ARTIFACTS / "napari.png"), shot)
     assert (ARTIFACTS / "napari.png").stat().st_size > 1000
+
+
+def test_real_viewer_first_view_of_a_brightening_volume_is_not_saturated(real_viewer, tmp_path):
+    real_viewer, qtbot = real_viewer
+    ramp = np.tile(np.linspace(1, 100, 64, dtype="f4"), (64, 1))              # dark to bright across x
+    data = np.stack([ramp] + [ramp * 10] * 8)                                  # planes 1.. 10x plane 0
+    p = str(tmp_path / "ramp.npy")
+    np.save(p, data)
+    (layer,) = real_viewer.open(p, plugin="gpulazy")
+    real_viewer.reset_view()
+    qtbot.wait(100)
+    shot = real_viewer.screenshot(canvas_only=True, flash=False)[..., :3]
+    drawn = shot.max(axis=-1) > 0                                              # the image, not the background
+    white = (shot == 255).all(axis=-1)
+    assert drawn.mean() > 0.1 and white.sum() < 0.1 * drawn.sum(), (white.sum(), drawn.sum())  # old: ~90% white
 
 
 def test_dock_widget_shows_figures_and_sets_controls(real_viewer, volume):
@@ -522,10 +731,10 @@ def test_gpu_display_path_prefetch_and_pyramid(model, tmp_path):
     cache = gpulazy.DeviceCache("64 MiB", device="cuda:0")
     try:
         napari_gpulazy.attach(model, depth=4)
-        ((view, kwargs, _),) = read_layers(p, device="cuda:0", cache=cache, chunks=(4, 64, 48))
+        ((view, kwargs, _),) = read_layers(p, device="cuda:0", cache=cache, chunks=(4, 64, 48), contrast_limits=(0, 1))
         assert view.target.chunk_source.device == "cuda:0"
         layer = model.add_image(view, **kwargs)
-        view.transfers.reset()                                          # napari's contrast guess read it all
+        view.transfers.reset()
         for z in range(2, 20):
             model.dims.set_current_step(0, z)
             np.testing.assert_array_equal(_shown(layer), data[z])      # CuPy chunks, host plane
@@ -536,5 +745,24 @@ def test_gpu_display_path_prefetch_and_pyramid(model, tmp_path):
         ((levels, _, _),) = read_layers(p, device="cuda:0", cache=cache, pyramid_min_side=32, prefetch=False)
         want = data[5].reshape(32, 2, 24, 2).mean(axis=(1, 3))
         np.testing.assert_allclose(np.asarray(levels[1][5]), want, rtol=1e-6)  # means taken on the GPU
+    finally:
+        cache.close()
+
+
+@pytest.mark.gpu
+def test_gpu_contrast_limits_measured_on_the_device(tmp_path):
+    from napari_gpulazy import read_layers
+
+    data = np.random.default_rng(12).random((9, 32, 24), dtype="f4")
+    data[4:] *= 10                                                    # later planes brighter
+    data[6, 3, 3] = np.nan
+    p = str(tmp_path / "g.npy")
+    np.save(p, data)
+    cache = gpulazy.DeviceCache("64 MiB", device="cuda:0")
+    try:
+        ((view, kwargs, _),) = read_layers(p, device="cuda:0", cache=cache, chunks=(3, 32, 24), prefetch=False)
+        sampled = data[[4, 0, 8, 2, 6]]                               # middle, ends, quarters
+        assert kwargs["contrast_limits"] == (float(np.nanmin(sampled)), float(np.nanmax(sampled)))
+        assert view.transfers.count == 0                              # reduced on the GPU: no plane to the host
     finally:
         cache.close()

@@ -52,7 +52,7 @@ from gpulazy.layouts._base import Index, Layout
 from gpulazy.layouts._common import FileEntry, FileStack, check_dtype, check_shape, slab_sizes
 from gpulazy.spec import ByteRange, ChunkSpec, Codec, file_identity
 
-__all__ = ["Hdf5Layout", "Hdf5Dataset", "describe"]
+__all__ = ["Hdf5Layout", "Hdf5Dataset", "describe", "image_datasets"]
 
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"
 #: The superblock may follow a user block of 512, 1024, 2048, ... bytes; probe that far.
@@ -182,6 +182,21 @@ def describe(path: str, dataset: str | None = None) -> Hdf5Dataset:
                           "the file is corrupt or truncated") from e
 
 
+def image_datasets(path: str) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """``(name, shape, dtype)`` of every image-like dataset of ``path``, largest first.
+
+    Image-like: numeric, at least 2-D, with planes of more than one row and column (a
+    viewer shows these; 1-D axis arrays, scalars and tables are left out). Only metadata
+    is read. ``LayoutError`` naming the file if it cannot be opened.
+    """
+    import h5py
+
+    with _open(h5py, path) as f:
+        found = [(d.name, tuple(int(n) for n in d.shape), d.dtype) for d in _datasets(f)
+                 if _is_numeric_array(d) and len(d.shape) >= 2 and min(d.shape[-2:]) > 1]
+    return sorted(found, key=lambda t: -math.prod(t[1]) * t[2].itemsize)
+
+
 def _open(h5py: Any, path: str) -> Any:
     try:
         try:
@@ -205,7 +220,8 @@ def _pick(f: Any, path: str, dataset: str | None) -> Any:
         if len(arrays) == 1:
             return arrays[0]
         what = "no numeric array dataset" if not arrays else f"{len(arrays)} numeric array datasets"
-        raise LayoutError(f"{path!r} holds {what}; pass dataset= naming one. Datasets: {_listing(f)}")
+        raise LayoutError(f"{path!r} holds {what}; pass dataset= naming one (gpulazy info: --dataset NAME). "
+                          f"Datasets: {_listing(f)}")
     obj = f.get(dataset)
     if obj is None:
         raise LayoutError(f"{path!r} has no dataset {dataset!r}; datasets there: {_listing(f)}")

@@ -206,7 +206,8 @@ def test_gpu_planes_cold_cached_reread_and_evicted_equal_the_file(tmp_path, code
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_decode", [False, True], ids=["host-decode", "gpu-decode"])
 def test_gpu_planes_of_large_compressed_chunks_equal_the_file(tmp_path, gpu_decode):
-    """The case napari users met: 2048 x 2048 planes over 4 x 4 zstd chunks of 16 MiB. A chunk
+    """The case napari users met: 2048 x 2048 planes over 4 x 4 zstd chunks of 16 MiB, each dask
+    chunk assembled from 16 of them (gpulazy's default chunking). A chunk
     decoded on the host was uploaded and placed on the caller's stream, and the cache's copy on
     gpulazy's stream read it before the upload had landed: on an H100 at 2f3a4d7, 38 of 40
     planes were wrong with the legacy stream busy and 7 of 40 with it idle
@@ -217,7 +218,9 @@ def test_gpu_planes_of_large_compressed_chunks_equal_the_file(tmp_path, gpu_deco
     cache = gpulazy.DeviceCache("1 GiB", device="cuda:0")
     try:
         with gpulazy.config.set(gpu_decode=gpu_decode):
-            view = _view(path, (32, 512, 512), "cuda:0", cache)
+            vol = gpulazy.from_files(path, device="cuda:0", cache=cache)  # default chunks: 8 stored chunks each
+            assert vol.chunksize[1:] == (2048, 2048)
+            view = HostView(vol, label=path, target=vol)
             _check_planes(cp, view, data, range(0, 32), "first read")
             _check_planes(cp, view, data, range(0, 32, 3), "from the cache")
     finally:

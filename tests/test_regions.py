@@ -219,7 +219,7 @@ def test_gpu_planes_of_large_compressed_chunks_equal_the_file(tmp_path, gpu_deco
     try:
         with gpulazy.config.set(gpu_decode=gpu_decode):
             vol = gpulazy.from_files(path, device="cuda:0", cache=cache)  # default chunks: 8 stored chunks each
-            assert vol.chunksize[1:] == (2048, 2048)
+            assert vol.chunksize[1] > 512 and vol.chunksize[2] > 512  # a dask chunk spans several stored ones
             view = HostView(vol, label=path, target=vol)
             _check_planes(cp, view, data, range(0, 32), "first read")
             _check_planes(cp, view, data, range(0, 32, 3), "from the cache")

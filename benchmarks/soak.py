@@ -224,6 +224,10 @@ def _round(report: dict, datasets: list, schedulers: list, client: Any, watch: W
             report["mismatches"] += 1
             report.setdefault("mismatch_examples", []).append(what)
             print(f"MISMATCH {what}", file=log or sys.stderr)
+    except gpulazy.errors.TooManyChunksError:
+        # A chunking of more pieces than config max_chunks is refused by design (a named error
+        # before any piece is made): counted apart, like dask's own limitations.
+        report["refused_chunkings"] = report.get("refused_chunkings", 0) + 1
     except Exception as e:
         if scheduler != "fast" and _dask_fails_too(ref, chunks, op, sel, e):
             # dask.array itself fails this selection + reduction on these chunks (empty blocks

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "GpulazyError",
     "LayoutError",
+    "TooManyChunksError",
     "NoFilesError",
     "ChunkReadError",
     "ChunkDecodeError",
@@ -28,6 +29,21 @@ class GpulazyError(Exception):
 
 class LayoutError(GpulazyError, ValueError):
     """Files do not match what was asked of them (size, header, shape, dtype)."""
+
+
+class TooManyChunksError(LayoutError):
+    """More pieces than config ``max_chunks``; ``where`` is the file or store (``None``: not known yet)."""
+
+    def __init__(self, message: str, where: str | None = None):
+        super().__init__(f"{where!r}: {message}" if where else message)
+        self.message, self.where = message, where
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.where))
+
+    def at(self, where: str) -> TooManyChunksError:
+        """This error naming ``where`` (itself when it names a path already)."""
+        return self if self.where else TooManyChunksError(self.message, where)
 
 
 class NoFilesError(GpulazyError, FileNotFoundError):

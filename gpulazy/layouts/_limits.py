@@ -18,25 +18,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from gpulazy import config
-from gpulazy.errors import LayoutError
+from gpulazy.errors import TooManyChunksError
 
 __all__ = ["TooManyChunksError", "check_pieces", "check_stored_chunks", "suggest_chunks", "spelled_block_count",
            "max_chunks", "runs_per_block"]
-
-
-class TooManyChunksError(LayoutError):
-    """More pieces than config ``max_chunks``; ``where`` is the file or store (``None``: not known yet)."""
-
-    def __init__(self, message: str, where: str | None = None):
-        super().__init__(f"{where!r}: {message}" if where else message)
-        self.message, self.where = message, where
-
-    def __reduce__(self):
-        return (type(self), (self.message, self.where))
-
-    def at(self, where: str) -> TooManyChunksError:
-        """This error naming ``where`` (itself when it names a path already)."""
-        return self if self.where else TooManyChunksError(self.message, where)
 
 
 def max_chunks() -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             if not np.array_equal(np.asarray(view[k]), data[k]):
                 wrong[what].append(k)
     stop.set()
+    busy.join() if busy.is_alive() else None
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     cache.close()
     print(f"gpulazy {gpulazy.__file__} {args.size}x{args.size} planes in chunks {chunks}, "
           f"{'host' if args.host_decode else 'GPU'} decode, legacy stream busy {args.busy_ms} ms: planes wrong on first read {len(wrong['first'])}/{args.planes} "

@@ -20,9 +20,10 @@ __all__ = ["decode_pieces", "check_supported", "gpu_codecs"]
 
 def gpu_codecs() -> frozenset[str]:
     """Codec ids that decode on the GPU here: nvCOMP's and the CuPy filters' (empty without a GPU)."""
-    from gpulazy.codecs import filters, nvcomp
+    from gpulazy.codecs import blosc, filters, nvcomp
 
-    return nvcomp.supported() | filters.supported()
+    gpu_blosc = {"blosc"} if blosc.handles(Codec("blosc")) else set()
+    return nvcomp.supported() | filters.supported() | gpu_blosc
 
 
 def check_supported(codec: Sequence[Codec] | None, path: str) -> None:
@@ -110,7 +111,8 @@ def warn_host_fallback(codec: Codec, device: Device) -> None:
 @functools.cache
 def _warn_once(codec_id: str, device: str) -> None:
     warnings.warn(f"codec {codec_id!r} has no GPU decoder here: its chunks decode on the host and are copied "
-                  f"to {device} (slower); nvCOMP (nvidia-nvcomp-cu13) decodes zstd, lz4, zlib and gzip on the GPU",
+                  f"to {device} (slower); nvCOMP (nvidia-nvcomp-cu13) decodes zstd, lz4, zlib, gzip and blosc "
+                  "with lz4 or zstd inside on the GPU",
                   PerformanceWarning, stacklevel=4)
 
 

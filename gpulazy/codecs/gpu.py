@@ -32,9 +32,24 @@ __all__ = ["decode_pieces", "runs_on_gpu", "step_sizes"]
 def runs_on_gpu(c: Codec) -> bool:
     """Whether step ``c`` decodes on the GPU here (never with ``config gpu_decode=False``)."""
     from gpulazy import config
-    from gpulazy.codecs import filters, nvcomp
+    return bool(config.get("gpu_decode")) and (_batch_decoder(c) is not None or _filters().handles(c))
 
-    return bool(config.get("gpu_decode")) and (nvcomp.handles(c) or filters.handles(c))
+
+def _filters() -> Any:
+    from gpulazy.codecs import filters
+
+    return filters
+
+
+def _batch_decoder(c: Codec) -> Any:
+    """The function decoding a batch of ``c`` pieces on the GPU (``nvcomp.decode``'s signature), or None."""
+    from gpulazy.codecs import blosc, nvcomp
+
+    if nvcomp.handles(c):
+        return nvcomp.decode
+    if blosc.handles(c):  # blosc framing read here, its LZ4/zstd streams through nvCOMP
+        return blosc.decode
+    return None
 
 
 def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Sequence[int], device: Device, *,
@@ -58,16 +73,19 @@ def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Seq
 
 
 def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> list[Any]:
-    from gpulazy.codecs import filters, nvcomp
+    from gpulazy.codecs import filters
     from gpulazy.codecs._pipeline import _record, warn_host_fallback
 
     started = time.perf_counter()
-    if sizes is not None and nvcomp.handles(c):
-        res = nvcomp.decode(pieces, c, sizes, device.index)
+    decoder = _batch_decoder(c) if sizes is not None else None
+    if decoder is not None:
+        res = decoder(pieces, c, sizes, device.index)
         out = list(res.out)
         on_gpu = [i for i in range(len(pieces)) if out[i] is not None]
         if on_gpu:
             _record(sum(sizes[i] for i in on_gpu), started, (c,), "gpu", device)
+        if res.slow:  # e.g. blosc whose inner codec has no GPU decoder
+            warn_host_fallback(c, device)
         if res.host:  # framing nvCOMP does not take, or a result that failed a check
             started = time.perf_counter()
             for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], c, [sizes[i] for i in res.host],

@@ -77,7 +77,8 @@ def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int | None, w
 
 
 def _names(codec: Sequence[Codec]) -> str:
-    return "+".join(c.id for c in codec) or "uncompressed"
+    # "blosc_checked" is blosc decoded by gpulazy's checked fallback: the file says blosc.
+    return "+".join(c.id.removesuffix("_checked") for c in codec) or "uncompressed"
 
 
 def size_error(where: ByteRange | None, codec: Sequence[Codec], expected: int | None, got: int | None,

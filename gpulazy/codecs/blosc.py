@@ -44,7 +44,7 @@ import numpy as np
 from gpulazy.codecs._frames import FrameError
 from gpulazy.spec import Codec
 
-__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "handles", "decode", "HEADER",
+__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode", "HEADER",
            "INNER_CODECS"]
 
 HEADER = 16
@@ -180,6 +180,74 @@ def unshuffle_block(shuffled: np.ndarray, typesize: int, mode: int) -> np.ndarra
     return out
 
 
+def decode_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+    """A blosc piece decoded on the host by the GPU path's plan, every stream bounds-checked.
+
+    For pieces the GPU path refused: c-blosc decodes LZ4 streams with
+    ``LZ4_decompress_fast``, which trusts the stream (a garbled payload whose lengths still
+    add up decodes to wrong bytes, silently), so LZ4 streams go through python-lz4's safe
+    decoder after the GPU walk's rules (``nvcomp.lz4_block_fits``), and zstd streams through numcodecs' (which checks them). Other inner
+    codecs, or no python-lz4, go to c-blosc (numcodecs). Far slower than c-blosc (the walk
+    is Python): not the CPU path's decoder, only the fallback for pieces that already
+    failed a GPU-side check.
+    """
+    data = np.asarray(data).reshape(-1).view(np.uint8)
+    head = data[:HEADER].tobytes()
+    h = parse_header(head, int(data.size), expected)
+    if h.nbytes == 0 or h.memcpyed:
+        return data[HEADER:HEADER + h.nbytes].copy()
+    inner = _safe_inner(h.codec)
+    if inner is None:
+        from gpulazy.codecs.host import decode_step
+
+        return decode_step(data, Codec("blosc"), expected)
+    blob = data.tobytes()
+    streams = iter(walk_streams(blob, h))
+    out = np.empty(h.nbytes, np.uint8)
+    for b in range(h.nblocks):
+        bsize, n = h.block(b)
+        parts = []
+        for _ in range(n):
+            off, c = next(streams)
+            part = blob[off:off + c]
+            part = part if c == bsize // n else inner(part, bsize // n)
+            if len(part) != bsize // n:
+                raise FrameError(f"blosc block {b}: a {h.codec} stream decoded to {len(part)} bytes, expected "
+                                 f"{bsize // n}")
+            parts.append(part)
+        shuffled = np.frombuffer(b"".join(parts), np.uint8)
+        out[b * h.blocksize:b * h.blocksize + bsize] = unshuffle_block(shuffled, h.typesize, h.mode)
+    return out
+
+
+def _safe_inner(codec: str) -> Any:
+    """``fn(stream, decoded_size) -> bytes`` with a decoder that checks its input, or None."""
+    if codec == "zstd":
+        import numcodecs
+
+        return lambda s, n: bytes(numcodecs.Zstd().decode(s))
+    if codec == "lz4":
+        try:
+            import lz4.block
+        except ImportError:
+            return None
+        return _lz4_checked
+    return None
+
+
+def _lz4_checked(stream: bytes, n: int) -> bytes:
+    # LZ4's safe decoder only stays in bounds: a zero match offset or a stream that ends
+    # early with the right size still "decodes". The GPU walk's rules (its host twin) come first.
+    import lz4.block
+
+    from gpulazy.codecs.nvcomp import lz4_block_fits
+
+    if not lz4_block_fits(stream, 0, n):
+        raise FrameError(f"an lz4 stream of {len(stream)} bytes does not decode to exactly {n} bytes "
+                         "(its sequences are corrupt)")
+    return lz4.block.decompress(stream, uncompressed_size=n)
+
+
 # -- the GPU path ---------------------------------------------------------------------------
 
 def handles(c: Codec) -> bool:
@@ -201,7 +269,8 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
     """
     from gpulazy.codecs import nvcomp
 
-    result = nvcomp.Decoded([None] * len(pieces))
+    # What the GPU refuses, the host decodes with every stream checked (``decode_checked``).
+    result = nvcomp.Decoded([None] * len(pieces), host_codec=Codec("blosc_checked"))
     heads, _ = nvcomp._ends(pieces)
     plans: dict[int, Header] = {}
     for i, (p, n) in enumerate(zip(pieces, sizes)):

@@ -88,8 +88,9 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
             warn_host_fallback(c, device)
         if res.host:  # framing nvCOMP does not take, or a result that failed a check
             started = time.perf_counter()
-            for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], c, [sizes[i] for i in res.host],
-                                                 [where[i] for i in res.host])):
+            redo = res.host_codec or c
+            for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], redo,
+                                                 [sizes[i] for i in res.host], [where[i] for i in res.host])):
                 out[i] = arr
             _record(sum(sizes[i] for i in res.host), started, (c,), "host", device)
         return out

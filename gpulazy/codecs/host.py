@@ -43,10 +43,17 @@ def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int | None) -> np.
     return values.astype(dt, copy=False).reshape(-1).view(np.uint8)
 
 
+def _blosc_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+    from gpulazy.codecs import blosc
+
+    return blosc.decode_checked(data, codec, expected)
+
+
 #: Steps gpulazy decodes itself: ``fn(data, codec, expected_nbytes) -> uint8 array``.
 SPECIAL: dict[str, Callable[[np.ndarray, Codec, int | None], np.ndarray]] = {
     "crc32c": _strip_crc32c,
     "tiff_predictor": _tiff_predictor,
+    "blosc_checked": _blosc_checked,  # blosc pieces the GPU refused: every stream checked (codecs.blosc)
 }
 #: The package a special step needs, for ``unsupported_reason``.
 _SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs"}

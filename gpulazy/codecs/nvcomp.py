@@ -133,6 +133,8 @@ class Decoded:
     #: Pieces in ``host`` because no GPU decoder takes them (e.g. blosc with blosclz inside):
     #: the caller warns once that they decode on the host.
     slow: list[int] = field(default_factory=list)
+    #: The step the host decodes ``host`` pieces with, when not the batch's own codec.
+    host_codec: Codec | None = None
 
 
 def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Decoded:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -52,12 +54,31 @@ def decode_pieces(pieces: Sequence[Any], codec: Sequence[Codec], expected: Seque
         out = gpu.decode_pieces(pieces, tuple(codec), expected, device, where=where)
     else:
         started = time.perf_counter()
-        out = [_host_one(p, codec, n, w) for p, n, w in zip(pieces, expected, where)]
+        out = host_map(lambda j: _host_one(j[0], codec, j[1], j[2]), list(zip(pieces, expected, where)))
         _record(sum(expected), started, codec, "host", device)
     for raw, want, w in zip(out, expected, where):
         if int(raw.size) != int(want):
             raise size_error(w, codec, int(want), int(raw.size), f"it decoded to {int(raw.size)} bytes")
     return out
+
+
+def host_map(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
+    """``[fn(j) for j in jobs]``, on every core when there are several jobs.
+
+    numcodecs, imagecodecs and libdeflate release the GIL while they decode, so the pieces
+    of one batch (a chunk's TIFF tiles, a whole-array read's HDF5 chunks) decode side by
+    side. The first failing job's error is raised, as a loop would.
+    """
+    if len(jobs) <= 1:
+        return [fn(j) for j in jobs]
+    return list(host_pool().map(fn, jobs))
+
+
+@functools.cache
+def host_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The host decoders' threads: one per core this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, cores), thread_name_prefix="gpulazy-host-decode")
 
 
 def _pad(where: Sequence[Any], n: int) -> list[Any]:

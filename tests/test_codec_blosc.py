@@ -410,7 +410,7 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin():
 def test_gpu_assemble_kernel_agrees_with_unshuffle_twin(mode, typesize, bsize, streams):
     import cupy
 
-    from gpulazy.codecs.blosc import Header, _assemble, _Block
+    from gpulazy.codecs.blosc import Header, assemble
 
     rng = np.random.default_rng(bsize + mode)
     shuffled = rng.integers(0, 256, bsize, dtype=np.uint8)
@@ -419,7 +419,7 @@ def test_gpu_assemble_kernel_agrees_with_unshuffle_twin(mode, typesize, bsize, s
     flags = {0: 0, 1: 1, 2: 4}[mode] | 0x20
     h = Header(flags, typesize, bsize, bsize, 0)
     out = cupy.zeros(bsize, dtype=np.uint8)
-    _assemble([_Block(0, 0, 0, bsize, streams, 0)], {0: h}, sources, {0: out})
+    assemble([(out.data.ptr, bsize, typesize, h.mode, 0, bsize // streams)], sources)
     want = blosc.unshuffle_block(shuffled, typesize, h.mode)
     got = out.get()
     assert got.tobytes() == want.tobytes(), f"first wrong byte {int(np.argmax(got != want))}"

@@ -612,10 +612,10 @@ def test_gpu_kernels_compile():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from gpulazy.codecs import filters, nvcomp
 
-    from gpulazy.codecs import blosc
+    from gpulazy.codecs import bitshuffle, blosc
 
     sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, nvcomp._LZ4_WALK, filters._DELTA_SEQ.format(t="double"),
-               blosc._WALK, blosc._ASSEMBLE,
+               blosc._WALK, blosc._ASSEMBLE, bitshuffle._WALK,
                filters._DELTA_INT.format(ti="short", u="unsigned short", acc="unsigned int"),
                filters._DELTA_INT.format(ti="int", u="unsigned long long", acc="unsigned long long")]
     for src in sources:

@@ -22,10 +22,10 @@ __all__ = ["decode_pieces", "check_supported", "gpu_codecs"]
 
 def gpu_codecs() -> frozenset[str]:
     """Codec ids that decode on the GPU here: nvCOMP's and the CuPy filters' (empty without a GPU)."""
-    from gpulazy.codecs import blosc, filters, nvcomp
+    from gpulazy.codecs import bitshuffle, blosc, filters, nvcomp
 
-    gpu_blosc = {"blosc"} if blosc.handles(Codec("blosc")) else set()
-    return nvcomp.supported() | filters.supported() | gpu_blosc
+    framed = {c.id for c in (Codec("blosc"), Codec("bitshuffle_lz4")) if blosc.handles(c) or bitshuffle.handles(c)}
+    return nvcomp.supported() | filters.supported() | framed
 
 
 def check_supported(codec: Sequence[Codec] | None, path: str) -> None:
@@ -134,7 +134,7 @@ def warn_host_fallback(codec: Codec, device: Device) -> None:
 def _warn_once(codec_id: str, device: str) -> None:
     warnings.warn(f"codec {codec_id!r} has no GPU decoder here: its chunks decode on the host and are copied "
                   f"to {device} (slower); nvCOMP (nvidia-nvcomp-cu13) decodes zstd, lz4, zlib, gzip and blosc "
-                  "with lz4 or zstd inside on the GPU",
+                  "with lz4 or zstd inside and HDF5 bitshuffle+lz4 on the GPU",
                   PerformanceWarning, stacklevel=4)
 
 

@@ -44,7 +44,8 @@ import numpy as np
 from gpulazy.codecs._frames import FrameError
 from gpulazy.spec import Codec
 
-__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode", "HEADER",
+__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode", "assemble",
+           "HEADER",
            "INNER_CODECS"]
 
 HEADER = 16
@@ -349,7 +350,8 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
         return
     _, outs = filters.carve([plans[i].nbytes for i in kept])
     dest = dict(zip(kept, outs))
-    _assemble(blocks, plans, sources, dest)
+    assemble([(dest[b.piece].data.ptr + b.dest_offset, b.bsize, plans[b.piece].typesize, plans[b.piece].mode,
+               b.first, b.bsize // b.streams) for b in blocks], sources)
     for i in kept:
         result.out[i] = dest[i]
 
@@ -373,23 +375,28 @@ def _walk(pieces: Sequence[Any], plans: dict[int, Header], blocks: list[_Block]
     return host[:nstreams], host[nstreams:2 * nstreams], host[2 * nstreams:]
 
 
-def _assemble(blocks: list[_Block], plans: dict[int, Header], sources: dict[int, Any], dest: dict[int, Any]
-              ) -> None:
-    """Each block gathered from its decoded streams, unshuffled, written into its chunk: one launch."""
+def assemble(rows: Sequence[tuple[int, int, int, int, int, int]], sources: dict[int, Any]) -> None:
+    """Blocks gathered from their decoded streams, unshuffled, written where they belong: one launch.
+
+    A row: (destination address, block bytes, type size, mode (0 copy, 1 byte unshuffle,
+    2 bit unshuffle), first stream's slot, bytes per stream); ``sources[slot]`` is that
+    stream's bytes on the device (decoded, or stored raw). HDF5 bitshuffle uses it too.
+    """
     import cupy
 
     from gpulazy.codecs import filters
 
+    if not rows:
+        return
     nstreams = max(sources) + 1
     ptrs = np.zeros(nstreams, dtype=np.uint64)
     for s, v in sources.items():
         ptrs[s] = v.data.ptr
-    table = np.array([[dest[b.piece].data.ptr + b.dest_offset, b.bsize, plans[b.piece].typesize,
-                       plans[b.piece].mode, b.first, b.bsize // b.streams] for b in blocks], dtype=np.int64)
-    longest = max(b.bsize for b in blocks)
+    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
+    longest = int(table[:, 1].max())
     k = filters.kernel("blosc_assemble", _ASSEMBLE)
-    grid = (max(1, min(256, -(-longest // 2048))), min(len(blocks), 65535))
-    k(grid, (256,), (cupy.asarray(ptrs), cupy.asarray(table), np.int64(len(blocks))))
+    grid = (max(1, min(256, -(-longest // 2048))), min(len(rows), 65535))
+    k(grid, (256,), (cupy.asarray(ptrs), cupy.asarray(table), np.int64(len(rows))))
 
 
 # One thread per block: its start from the table, then each stream's size prefix; the rules

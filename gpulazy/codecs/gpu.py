@@ -40,12 +40,14 @@ def _filters() -> Any:
 
 def _batch_decoder(c: Codec) -> Any:
     """The function decoding a batch of ``c`` pieces on the GPU (``nvcomp.decode``'s signature), or None."""
-    from gpulazy.codecs import blosc, nvcomp
+    from gpulazy.codecs import bitshuffle, blosc, nvcomp
 
     if nvcomp.handles(c):
         return nvcomp.decode
     if blosc.handles(c):  # blosc framing read here, its LZ4/zstd streams through nvCOMP
         return blosc.decode
+    if bitshuffle.handles(c):  # HDF5 bitshuffle: its LZ4 blocks through nvCOMP, a kernel unshuffles
+        return bitshuffle.decode
     return None
 
 

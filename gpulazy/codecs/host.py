@@ -49,14 +49,21 @@ def _blosc_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.n
     return blosc.decode_checked(data, codec, expected)
 
 
+def _bitshuffle_lz4(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+    from gpulazy.codecs import bitshuffle
+
+    return bitshuffle.decode_host(data, codec, expected)
+
+
 #: Steps gpulazy decodes itself: ``fn(data, codec, expected_nbytes) -> uint8 array``.
 SPECIAL: dict[str, Callable[[np.ndarray, Codec, int | None], np.ndarray]] = {
     "crc32c": _strip_crc32c,
     "tiff_predictor": _tiff_predictor,
     "blosc_checked": _blosc_checked,  # blosc pieces the GPU refused: every stream checked (codecs.blosc)
+    "bitshuffle_lz4": _bitshuffle_lz4,  # HDF5 filter 32008 (codecs.bitshuffle)
 }
 #: The package a special step needs, for ``unsupported_reason``.
-_SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs"}
+_SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs", "bitshuffle_lz4": "lz4", "blosc_checked": "lz4"}
 #: Codecs whose C decoder enforces the size their framing declares, so they may decode
 #: straight into a buffer of that size (no copy) once ``check_declared`` has passed.
 _ENFORCES_DECLARED = frozenset({"zstd", "lz4", "blosc"})

@@ -83,7 +83,7 @@ def parse_header(head: bytes, size: int, expected: int | None, elementsize: int)
     return h
 
 
-def walk_blocks(data: bytes, h: Header) -> list[tuple[int, int]]:
+def walk_blocks(data: bytes | memoryview, h: Header) -> list[tuple[int, int]]:
     """``(offset, compressed size)`` of every LZ4 block: the host twin of ``_WALK``.
 
     Each size must be positive and fit, and the blocks plus the leftover bytes must end
@@ -108,10 +108,10 @@ def decode_host(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndar
     """One piece on the host: python-lz4's safe decoder per block, then the bit unshuffle."""
     import lz4.block
 
-    data = np.asarray(data).reshape(-1).view(np.uint8)
-    blob = data.tobytes()
+    data = np.ascontiguousarray(np.asarray(data).reshape(-1).view(np.uint8))
+    blob = memoryview(data)  # slices without copies: python-lz4 and int.from_bytes take buffers
     es = int(codec.get("elementsize", 1))
-    h = parse_header(blob[:HEADER], len(blob), expected, es)
+    h = parse_header(bytes(blob[:HEADER]), len(blob), expected, es)
     shuffled = np.empty(h.nbytes, np.uint8)
     at = 0
     for (off, c), n in zip(walk_blocks(blob, h), h.sizes):

@@ -234,13 +234,10 @@ def _walk(pieces: Sequence[Any], plans: dict[int, Header]) -> dict[int, list[tup
 
 # One thread per chunk: the rules of ``walk_blocks``. ``row``: piece address, where the
 # blocks must end, block count, first slot. ``found``: offsets[total], sizes[total], ok[count].
-_WALK = r"""
-extern "C" __global__ void gl_bitshuffle_walk(const long long* rows, long long* found, long long total,
-                                              long long count) {
-    long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (t >= count) return;
-    const long long* row = rows + 4 * t;
-    const unsigned char* s = (const unsigned char*)row[0];
+def _walk_source() -> str:
+    from gpulazy.codecs.blosc import row_kernel
+
+    return row_kernel("bitshuffle_walk", 4, "total", r"""
     long long end = row[1], nblocks = row[2], slot = row[3], pos = 12, good = 1;
     for (long long k = 0; k < nblocks; ++k) {
         if (pos + 4 > end) { good = 0; break; }
@@ -252,6 +249,7 @@ extern "C" __global__ void gl_bitshuffle_walk(const long long* rows, long long* 
         found[total + slot + k] = c;
         pos += c;
     }
-    found[2 * total + t] = good && pos == end;
-}
-"""
+    found[2 * total + t] = good && pos == end;""")
+
+
+_WALK = _walk_source()

@@ -399,20 +399,24 @@ def assemble(rows: Sequence[tuple[int, int, int, int, int, int]], sources: dict[
     k(grid, (256,), (cupy.asarray(ptrs), cupy.asarray(table), np.int64(len(rows))))
 
 
+def row_kernel(name: str, width: int, total: str, body: str, helpers: str = "") -> str:
+    """A kernel with one thread per row of ``width`` int64s (``row[0]``: a piece's address, as
+    ``s``), writing into ``found``; ``total`` names its int64 size parameter. Used by the walks."""
+    return helpers + f"""
+extern "C" __global__ void gl_{name}(const long long* rows, long long* found, long long {total}, long long count) {{
+    long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (t >= count) return;
+    const long long* row = rows + {width} * t;
+    const unsigned char* s = (const unsigned char*)row[0];
+{body}
+}}
+"""
+
+
 # One thread per block: its start from the table, then each stream's size prefix; the rules
 # of ``walk_streams``. ``row``: piece address, piece length, block index, block count,
 # streams, first slot. ``found``: offsets[nstreams], sizes[nstreams], ok[nblocks].
-_WALK = r"""
-__device__ long long gl_rd32(const unsigned char* s) {
-    return (long long)((unsigned int)s[0] | ((unsigned int)s[1] << 8) | ((unsigned int)s[2] << 16)
-                       | ((unsigned int)s[3] << 24));
-}
-extern "C" __global__ void gl_blosc_walk(const long long* rows, long long* found, long long nstreams,
-                                         long long count) {
-    long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (t >= count) return;
-    const long long* row = rows + 6 * t;
-    const unsigned char* s = (const unsigned char*)row[0];
+_WALK = row_kernel("blosc_walk", 6, "nstreams", r"""
     long long n = row[1], b = row[2], table = 16 + 4 * row[3], splits = row[4], slot = row[5];
     long long pos = gl_rd32(s + 16 + 4 * b);
     long long good = (pos >= table && pos <= n);
@@ -425,9 +429,12 @@ extern "C" __global__ void gl_blosc_walk(const long long* rows, long long* found
         found[nstreams + slot + j] = c;
         pos += c;
     }
-    found[2 * nstreams + t] = good;
+    found[2 * nstreams + t] = good;""", helpers=r"""
+__device__ long long gl_rd32(const unsigned char* s) {
+    return (long long)((unsigned int)s[0] | ((unsigned int)s[1] << 8) | ((unsigned int)s[2] << 16)
+                       | ((unsigned int)s[3] << 24));
 }
-"""
+""")
 
 # Blocks along y (grid-stride), bytes along x. Byte q of a block's decoded streams lies in
 # stream first + q / neblock at q % neblock; output byte k takes the byte (or bits) the

@@ -2,10 +2,11 @@
 
     python benchmarks/bench_codecs.py [--chunks 256] [--repeat 5] [--json PATH]
     python benchmarks/bench_codecs.py --probe [--json PATH]
+    python benchmarks/bench_codecs.py --host-deflate [--chunks 32]   # no GPU needed
 
 Makes ``--chunks`` chunks of 1024 × 1024 uint16 (2 MiB each) of realistic data (a smooth
-volume plus noise), encodes them with zstd-1, lz4, zlib-1 and zstd-1 + shuffle, and
-times decoding all of them
+volume plus noise), encodes them with zstd-1, lz4, zlib-1, zstd-1 + shuffle and blosc-lz4
+with byte or bit shuffle (Zarr v2's default), and times decoding all of them
 
 - on cuda:0 through ``gpulazy.codecs.decode_pieces`` (compressed pieces already in device
   memory, back to back in one buffer as a read leaves them; nvCOMP + CuPy kernels);
@@ -58,6 +59,9 @@ def codecs() -> dict[str, tuple]:
         "lz4": (Codec.of("lz4", acceleration=1),),
         "zlib-1": (Codec.of("zlib", level=1),),
         "zstd-1+shuffle": (zstd, Codec.of("shuffle", elementsize=2)),
+        # Zarr v2's default compressor: blosc's framing read by gpulazy, its LZ4 streams by nvCOMP
+        "blosc-lz4+shuffle": (Codec.of("blosc", cname="lz4", clevel=5, shuffle=1, blocksize=0),),
+        "blosc-lz4+bitshuffle": (Codec.of("blosc", cname="lz4", clevel=5, shuffle=2, blocksize=0),),
     }
 
 
@@ -154,7 +158,7 @@ def run(n: int, repeat: int) -> dict:
             gpu_s = best(lambda: decode_pieces(pieces, codec, [nbytes] * n, dev), repeat, sync)
             places = {k: sorted(v) for k, v in gpulazy.stats().snapshot()["decode_by_codec"].items()}
             direct_s = None
-            if len(codec) == 1:
+            if len(codec) == 1 and codec[0].id in nvcomp.ALGORITHMS:  # nvCOMP reads no blosc framing
                 direct = nvcomp_direct(pieces, codec, nbytes)
                 direct()
                 direct_s = best(direct, repeat, sync)
@@ -193,6 +197,48 @@ def table(doc: dict) -> str:
                      f"{r['host_1thread_gbps']:>12.2f}{r[f'host_{t}threads_gbps']:>13.2f}"
                      f"{r['x_vs_host_1thread']:>9.0f}{r['x_vs_host_pool']:>8.1f}")
     return "\n".join(lines)
+
+
+def host_deflate(n: int, repeat: int) -> dict:
+    """Host Deflate (no GPU): numcodecs' zlib against gpulazy's host path (libdeflate, every core).
+
+    Times ``n`` zlib-1 chunks decoded one after the other with numcodecs (what gpulazy did
+    before), and through ``decode_pieces`` on ``"cpu"`` (libdeflate, the batch on
+    ``_pipeline.host_pool``), on one thread and on all cores.
+    """
+    import numcodecs
+
+    import gpulazy
+    from gpulazy.codecs import decode_pieces
+    from gpulazy.codecs._pipeline import host_pool
+    from gpulazy.spec import Codec
+
+    chunks = make_chunks(n)
+    nbytes, codec = chunks[0].nbytes, (Codec.of("zlib", level=1),)
+    with concurrent.futures.ThreadPoolExecutor() as pool:
+        blobs = encode_all(chunks, codec, pool)
+    pieces = [np.frombuffer(b, "u1") for b in blobs]
+    cpu, total = gpulazy.get_device("cpu"), nbytes * n
+    zlib = numcodecs.Zlib()
+    cores = host_pool()._max_workers
+    with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+        rows = {
+            "numcodecs zlib, 1 thread": best(lambda: [zlib.decode(b) for b in blobs], repeat),
+            f"numcodecs zlib, {cores} threads": best(lambda: list(pool.map(zlib.decode, blobs)), repeat),
+            "gpulazy host (libdeflate), 1 piece per call": best(
+                lambda: [decode_pieces([p], codec, [nbytes], cpu) for p in pieces], repeat),
+            f"gpulazy host (libdeflate), batch on {cores} threads": best(
+                lambda: decode_pieces(pieces, codec, [nbytes] * n, cpu), repeat),
+        }
+    out = decode_pieces(pieces[:2], codec, [nbytes] * 2, cpu)
+    assert out[1].tobytes() == chunks[1].tobytes()
+    ratio = total / sum(len(b) for b in blobs)
+    doc = {"chunks": n, "decoded_bytes": total, "compression_ratio": ratio, "cores": cores,
+           "gbps": {k: total / t / 1e9 for k, t in rows.items()}}
+    print(f"host zlib-1 decode, {n} chunks of {SIDE}x{SIDE} uint16, ratio {ratio:.2f}, {cores} cores")
+    for k, v in doc["gbps"].items():
+        print(f"  {k:<48}{v:6.2f} GB/s")
+    return doc
 
 
 PROBE_CASES = ("exact", "oversized_output", "undersized_output", "garbled_payload", "truncated")
@@ -259,12 +305,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--probe", action="store_true", help="only print nvCOMP's reports for corrupt pieces")
     p.add_argument("--probe-case", nargs=2, metavar=("ALGO", "CASE"), help=argparse.SUPPRESS)
+    p.add_argument("--host-deflate", action="store_true", help="only time host zlib decoding (no GPU needed)")
     args = p.parse_args(argv)
     if args.probe_case:
         print(json.dumps(probe_case(*args.probe_case)))
         return 0
     if args.probe:
         doc = {"probe": probe()}
+    elif args.host_deflate:
+        doc = host_deflate(args.chunks, args.repeat)
     else:
         doc = run(args.chunks, args.repeat)
         print(table(doc))

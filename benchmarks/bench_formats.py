@@ -14,6 +14,8 @@ then read whole onto the device, warm page cache, best of ``--repeat``:
 | zarr-zstd-sharded | Zarr v3, zstd level 1, sharded | same three |
 | hdf5 | HDF5 chunked, uncompressed | ``h5py`` → ``cp.asarray`` |
 | hdf5-gzip | HDF5 chunked, gzip level 1 | ``h5py`` → ``cp.asarray`` |
+| zarr2-blosc | Zarr v2, blosc lz4 level 5 + byte shuffle (Zarr v2's default) | zarr-python, ``enable_gpu`` + ``da.from_zarr``, TensorStore |
+| hdf5-bitshuffle | HDF5 chunked, bitshuffle + LZ4 (filter 32008, Dectris detectors) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
 
 Slow reference ways (below ~1 GB/s) read only the first ``--ref-limit`` bytes and are
 reported as a rate. Prints GB/s of decoded output, gpulazy's ratio to each reference and
@@ -98,6 +100,35 @@ def write_zarr(folder: str, n: int, name: str, *, zstd: bool, shards: bool) -> s
             batch = []
     if batch:
         z[start:start + len(batch)] = np.stack(batch)
+    return path
+
+
+def write_zarr2_blosc(folder: str, n: int) -> str:
+    """Zarr v2 with its default compressor: blosc, lz4 level 5, byte shuffle; chunks of (8, 512, 512)."""
+    import numcodecs
+    import zarr
+
+    path = os.path.join(folder, "blosc.zarr")
+    z = zarr.create_array(path, shape=(n, SIDE, SIDE), chunks=(8, 512, 512), dtype="uint16", zarr_format=2,
+                          compressors=numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE))
+    planes = volume_planes(n)
+    for z0 in range(0, n, 32):
+        z[z0:z0 + 32] = np.stack([next(planes) for _ in range(min(32, n - z0))])
+    return path
+
+
+def write_hdf5_bitshuffle(folder: str, n: int) -> str:
+    """HDF5 chunks of (8, 512, 512) through hdf5plugin's bitshuffle + LZ4 filter (as Dectris writes)."""
+    import h5py
+    import hdf5plugin
+
+    path = os.path.join(folder, "bitshuffle.h5")
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("data", shape=(n, SIDE, SIDE), dtype="uint16", chunks=(8, 512, 512),
+                              **hdf5plugin.Bitshuffle(nelems=0, cname="lz4"))
+        planes = volume_planes(n)
+        for z0 in range(0, n, 8):
+            ds[z0:z0 + 8] = np.stack([next(planes) for _ in range(min(8, n - z0))])
     return path
 
 
@@ -190,8 +221,10 @@ def _refs(fmt: str, path: str, device: str, n: int, limit: int) -> dict[str, tup
         try:
             import tensorstore as ts
 
+            driver = "zarr" if fmt == "zarr2-blosc" else "zarr3"
+
             def tstore() -> Any:
-                t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}).result()
+                t = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": path}}).result()
                 return to_device(t[:n].read().result(), device)
 
             refs["TensorStore -> cp.asarray"] = (tstore, n)
@@ -199,6 +232,9 @@ def _refs(fmt: str, path: str, device: str, n: int, limit: int) -> dict[str, tup
             pass
     if fmt.startswith("hdf5"):
         import h5py
+
+        if fmt == "hdf5-bitshuffle":
+            import hdf5plugin  # noqa: F401  (registers the filter with HDF5)
 
         def h5() -> Any:
             with h5py.File(path, "r") as f:
@@ -223,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="4GiB")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--only", default="raw,tiff,zarr,zarr-zstd,zarr-zstd-sharded,hdf5,hdf5-gzip")
+    ap.add_argument("--only", default="raw,tiff,zarr,zarr-zstd,zarr-zstd-sharded,hdf5,hdf5-gzip,zarr2-blosc,"
+                                      "hdf5-bitshuffle")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--ref-limit", default="1GiB", help="bytes the slow reference ways read")
     ap.add_argument("--dir", default=None)
@@ -244,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         "zarr-zstd-sharded": lambda: write_zarr(folder, nplanes, "sharded", zstd=True, shards=True),
         "hdf5": lambda: write_hdf5(folder, nplanes, "plain", gzip=False),
         "hdf5-gzip": lambda: write_hdf5(folder, nplanes, "gzip", gzip=True),
+        "zarr2-blosc": lambda: write_zarr2_blosc(folder, nplanes),
+        "hdf5-bitshuffle": lambda: write_hdf5_bitshuffle(folder, nplanes),
     }
     nbytes = nplanes * PLANE
     rows: list[dict[str, Any]] = []

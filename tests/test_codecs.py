@@ -199,7 +199,8 @@ def test_any_tiling_assembles_the_array(tmp_path_factory, shape, tile, order, se
 
 # -- bad input ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("codec", [ZSTD, LZ4, ZLIB, GZIP], ids=lambda c: c.id)
+@pytest.mark.parametrize("codec", [ZSTD, LZ4, ZLIB, GZIP, Codec.of("blosc", cname="lz4", clevel=5, shuffle=1, blocksize=0)],
+                         ids=lambda c: c.id)
 def test_corrupt_piece_raises_naming_the_file(tmp_path, device, codec):
     data = sample((32, 32), "<u2")
     spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 32), (codec,))
@@ -353,8 +354,14 @@ def test_gpu_decode_setting_reads_flags():
 # -- the GPU path ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", [ZSTD, LZ4, ZLIB, GZIP], ids=lambda c: c.id)
-def test_compressors_really_decode_on_the_gpu(tmp_path, codec):
+@pytest.mark.parametrize("codec", [ZSTD, LZ4, ZLIB, GZIP, Codec.of("blosc", cname="lz4", clevel=5, shuffle=1, blocksize=0)],
+                         ids=lambda c: c.id)
+def test_compressors_really_decode_on_the_gpu(tmp_path, codec, monkeypatch):
+    from gpulazy.codecs import _deflate_split
+
+    # Deflate batches are shared with the host's cores by rate (test_codec_deflate.py): a GPU
+    # far faster than the host keeps all four pieces here.
+    monkeypatch.setattr(_deflate_split, "_rates", {"host": 1.0, "gpu": 1e12})
     gpulazy.stats().reset()
     data = sample((64, 100), "<u2")
     spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 100), (codec,))
@@ -398,11 +405,11 @@ def test_gzip_header_fields_are_skipped_on_the_gpu(tmp_path):
 
 @pytest.mark.gpu
 def test_unsupported_codec_warns_once_and_decodes_on_host(tmp_path):
-    # blosc has no GPU decoder (nvCOMP does not read blosc frames): host, one warning.
+    # blosc with blosclz inside has no GPU decoder (nvCOMP has no blosclz): host, one warning.
     _pipeline._warn_once.cache_clear()
     gpulazy.stats().reset()
     data = sample((20, 20), "<u2")
-    blosc = Codec.of("blosc", cname="zstd", clevel=1, shuffle=2, blocksize=0)
+    blosc = Codec.of("blosc", cname="blosclz", clevel=1, shuffle=2, blocksize=0)
     spec = tiled_spec(str(tmp_path / "a.bin"), data, (10, 20), (blosc,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -610,7 +617,10 @@ def test_gpu_kernels_compile():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from gpulazy.codecs import filters, nvcomp
 
+    from gpulazy.codecs import bitshuffle, blosc
+
     sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, nvcomp._LZ4_WALK, filters._DELTA_SEQ.format(t="double"),
+               blosc._WALK, blosc._ASSEMBLE, bitshuffle._WALK,
                filters._DELTA_INT.format(ti="short", u="unsigned short", acc="unsigned int"),
                filters._DELTA_INT.format(ti="int", u="unsigned long long", acc="unsigned long long")]
     for src in sources:

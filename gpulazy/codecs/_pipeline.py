@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -20,9 +22,10 @@ __all__ = ["decode_pieces", "check_supported", "gpu_codecs"]
 
 def gpu_codecs() -> frozenset[str]:
     """Codec ids that decode on the GPU here: nvCOMP's and the CuPy filters' (empty without a GPU)."""
-    from gpulazy.codecs import filters, nvcomp
+    from gpulazy.codecs import bitshuffle, blosc, filters, nvcomp
 
-    return nvcomp.supported() | filters.supported()
+    framed = {c.id for c in (Codec("blosc"), Codec("bitshuffle_lz4")) if blosc.handles(c) or bitshuffle.handles(c)}
+    return nvcomp.supported() | filters.supported() | framed
 
 
 def check_supported(codec: Sequence[Codec] | None, path: str) -> None:
@@ -51,12 +54,31 @@ def decode_pieces(pieces: Sequence[Any], codec: Sequence[Codec], expected: Seque
         out = gpu.decode_pieces(pieces, tuple(codec), expected, device, where=where)
     else:
         started = time.perf_counter()
-        out = [_host_one(p, codec, n, w) for p, n, w in zip(pieces, expected, where)]
+        out = host_map(lambda j: _host_one(j[0], codec, j[1], j[2]), list(zip(pieces, expected, where)))
         _record(sum(expected), started, codec, "host", device)
     for raw, want, w in zip(out, expected, where):
         if int(raw.size) != int(want):
             raise size_error(w, codec, int(want), int(raw.size), f"it decoded to {int(raw.size)} bytes")
     return out
+
+
+def host_map(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
+    """``[fn(j) for j in jobs]``, on every core when there are several jobs.
+
+    numcodecs, imagecodecs and libdeflate release the GIL while they decode, so the pieces
+    of one batch (a chunk's TIFF tiles, a whole-array read's HDF5 chunks) decode side by
+    side. The first failing job's error is raised, as a loop would.
+    """
+    if len(jobs) <= 1:
+        return [fn(j) for j in jobs]
+    return list(host_pool().map(fn, jobs))
+
+
+@functools.cache
+def host_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The host decoders' threads: one per core this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, cores), thread_name_prefix="gpulazy-host-decode")
 
 
 def _pad(where: Sequence[Any], n: int) -> list[Any]:
@@ -76,7 +98,8 @@ def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int | None, w
 
 
 def _names(codec: Sequence[Codec]) -> str:
-    return "+".join(c.id for c in codec) or "uncompressed"
+    # "blosc_checked" is blosc decoded by gpulazy's checked fallback: the file says blosc.
+    return "+".join(c.id.removesuffix("_checked") for c in codec) or "uncompressed"
 
 
 def size_error(where: ByteRange | None, codec: Sequence[Codec], expected: int | None, got: int | None,
@@ -110,7 +133,8 @@ def warn_host_fallback(codec: Codec, device: Device) -> None:
 @functools.cache
 def _warn_once(codec_id: str, device: str) -> None:
     warnings.warn(f"codec {codec_id!r} has no GPU decoder here: its chunks decode on the host and are copied "
-                  f"to {device} (slower); nvCOMP (nvidia-nvcomp-cu13) decodes zstd, lz4, zlib and gzip on the GPU",
+                  f"to {device} (slower); nvCOMP (nvidia-nvcomp-cu13) decodes zstd, lz4, zlib, gzip and blosc "
+                  "with lz4 or zstd inside and HDF5 bitshuffle+lz4 on the GPU",
                   PerformanceWarning, stacklevel=4)
 
 

@@ -14,9 +14,6 @@ do not trust: nvCOMP assumes valid input, see ``gpulazy.codecs.nvcomp``).
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
-import os
 import time
 from typing import Any, Sequence
 
@@ -32,9 +29,26 @@ __all__ = ["decode_pieces", "runs_on_gpu", "step_sizes"]
 def runs_on_gpu(c: Codec) -> bool:
     """Whether step ``c`` decodes on the GPU here (never with ``config gpu_decode=False``)."""
     from gpulazy import config
-    from gpulazy.codecs import filters, nvcomp
+    return bool(config.get("gpu_decode")) and (_batch_decoder(c) is not None or _filters().handles(c))
 
-    return bool(config.get("gpu_decode")) and (nvcomp.handles(c) or filters.handles(c))
+
+def _filters() -> Any:
+    from gpulazy.codecs import filters
+
+    return filters
+
+
+def _batch_decoder(c: Codec) -> Any:
+    """The function decoding a batch of ``c`` pieces on the GPU (``nvcomp.decode``'s signature), or None."""
+    from gpulazy.codecs import bitshuffle, blosc, nvcomp
+
+    if nvcomp.handles(c):
+        return nvcomp.decode
+    if blosc.handles(c):  # blosc framing read here, its LZ4/zstd streams through nvCOMP
+        return blosc.decode
+    if bitshuffle.handles(c):  # HDF5 bitshuffle: its LZ4 blocks through nvCOMP, a kernel unshuffles
+        return bitshuffle.decode
+    return None
 
 
 def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Sequence[int], device: Device, *,
@@ -57,21 +71,28 @@ def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Seq
     return current
 
 
-def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> list[Any]:
-    from gpulazy.codecs import filters, nvcomp
+def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any], *,
+          split: bool = True) -> list[Any]:
+    from gpulazy.codecs import _deflate_split, filters
     from gpulazy.codecs._pipeline import _record, warn_host_fallback
 
     started = time.perf_counter()
-    if sizes is not None and nvcomp.handles(c):
-        res = nvcomp.decode(pieces, c, sizes, device.index)
+    decoder = _batch_decoder(c) if sizes is not None else None
+    if decoder is not None and split and _deflate_split.applies(c, len(pieces)):
+        return _beside_host(pieces, c, sizes, device, where)
+    if decoder is not None:
+        res = decoder(pieces, c, sizes, device.index)
         out = list(res.out)
         on_gpu = [i for i in range(len(pieces)) if out[i] is not None]
         if on_gpu:
             _record(sum(sizes[i] for i in on_gpu), started, (c,), "gpu", device)
+        if res.slow:  # e.g. blosc whose inner codec has no GPU decoder
+            warn_host_fallback(c, device)
         if res.host:  # framing nvCOMP does not take, or a result that failed a check
             started = time.perf_counter()
-            for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], c, [sizes[i] for i in res.host],
-                                                 [where[i] for i in res.host])):
+            redo = res.host_codec or c
+            for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], redo,
+                                                 [sizes[i] for i in res.host], [where[i] for i in res.host])):
                 out[i] = arr
             _record(sum(sizes[i] for i in res.host), started, (c,), "host", device)
         return out
@@ -92,10 +113,51 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
     return out
 
 
+def _beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any]) -> list[Any]:
+    """A Deflate batch decoded by nvCOMP and the host's cores at once, split by their rates.
+
+    The host's pieces are copied down and queued on the host pool first, then the GPU's go
+    through nvCOMP (``_step``, its own checks and fallbacks), then the host's are copied up.
+    Each side's measured rate steers the next split (``_deflate_split``).
+    """
+    from gpulazy.codecs import _deflate_split
+    from gpulazy.codecs._pipeline import _host_one, _record, host_pool
+
+    on_host = _deflate_split.split(sizes)
+    if not on_host:
+        return _step(pieces, c, sizes, device, where, split=False)
+    started = time.perf_counter()
+    futures = [host_pool().submit(_timed, _host_one, piece, (c,), sizes[i], where[i])
+               for i, piece in zip(on_host, _download([pieces[i] for i in on_host]))]
+    chosen = set(on_host)
+    rest = [i for i in range(len(pieces)) if i not in chosen]
+    gpu_started = time.perf_counter()
+    decoded = _step([pieces[i] for i in rest], c, [sizes[i] for i in rest], device, [where[i] for i in rest],
+                    split=False)
+    gpu_seconds = time.perf_counter() - gpu_started
+    results = [f.result() for f in futures]  # the first failing piece's error, naming its file
+    host_out = _upload([arr for arr, _ in results])
+    host_bytes = sum(sizes[i] for i in on_host)
+    _record(host_bytes, started, (c,), "host", device)
+    _deflate_split.record("host", host_bytes, max(t for _, t in results) - started)
+    _deflate_split.record("gpu", sum(sizes[i] for i in rest), gpu_seconds)
+    out: list[Any] = [None] * len(pieces)
+    for i, arr in zip(on_host, host_out):
+        out[i] = arr
+    for i, arr in zip(rest, decoded):
+        out[i] = arr
+    return out
+
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and the moment it finished (a pool job's end, for its side's rate)."""
+    return fn(*args), time.perf_counter()
+
+
 def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]
              ) -> list[Any]:
     """Step (or pipeline) ``c`` on the host: one copy down, decode on a thread pool, one copy up."""
-    from gpulazy.codecs._pipeline import _host_one
+    from gpulazy.codecs._pipeline import _host_one, host_map
 
     if not pieces:
         return []
@@ -103,10 +165,7 @@ def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] |
     sz = sizes if sizes is not None else [None] * len(pieces)
     jobs = [(p, n, w) for p, n, w in zip(down, sz, where)]
     steps = c if isinstance(c, tuple) else (c,)
-    if len(jobs) == 1:
-        decoded = [_host_one(down[0], steps, sz[0], where[0])]
-    else:
-        decoded = list(_pool().map(lambda j: _host_one(j[0], steps, j[1], j[2]), jobs))
+    decoded = host_map(lambda j: _host_one(j[0], steps, j[1], j[2]), jobs)
     return _upload(decoded)
 
 
@@ -130,10 +189,3 @@ def _upload(arrays: list[np.ndarray]) -> list[Any]:
         staged[at:at + a.size] = a
     dev = cupy.asarray(staged)
     return [dev[at:at + a.size] for a, at in zip(flat, offsets)]
-
-
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    # numcodecs and imagecodecs release the GIL while they decode: threads help.
-    return concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1),
-                                                 thread_name_prefix="gpulazy-host-decode")

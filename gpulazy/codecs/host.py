@@ -52,13 +52,27 @@ def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int | None) -> np.
     return values.astype(dt, copy=False).reshape(-1).view(np.uint8)
 
 
+def _blosc_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+    from gpulazy.codecs import blosc
+
+    return blosc.decode_checked(data, codec, expected)
+
+
+def _bitshuffle_lz4(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+    from gpulazy.codecs import bitshuffle
+
+    return bitshuffle.decode_host(data, codec, expected)
+
+
 #: Steps gpulazy decodes itself: ``fn(data, codec, expected_nbytes) -> uint8 array``.
 SPECIAL: dict[str, Callable[[np.ndarray, Codec, int | None], np.ndarray]] = {
     "crc32c": _strip_crc32c,
     "tiff_predictor": _tiff_predictor,
+    "blosc_checked": _blosc_checked,  # blosc pieces the GPU refused: every stream checked (codecs.blosc)
+    "bitshuffle_lz4": _bitshuffle_lz4,  # HDF5 filter 32008 (codecs.bitshuffle)
 }
 #: The package a special step needs, for ``unsupported_reason``.
-_SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs"}
+_SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs", "bitshuffle_lz4": "lz4", "blosc_checked": "lz4"}
 #: Codecs whose C decoder enforces the size their framing declares, so they may decode
 #: straight into a buffer of that size (no copy) once ``check_declared`` has passed.
 _ENFORCES_DECLARED = frozenset({"zstd", "lz4", "blosc"})
@@ -88,12 +102,44 @@ def decode_step(data: np.ndarray, c: Codec, want: int | None) -> np.ndarray:
     else:
         size = int(data.size)
         declared = check_declared(c.id, data[:HEAD].tobytes(), data[max(0, size - TAIL):].tobytes(), size, want)
-        if declared is not None and declared == want and c.id in _ENFORCES_DECLARED:
+        out = _inflate(data, c, want)
+        if out is not None:
+            pass
+        elif declared is not None and declared == want and c.id in _ENFORCES_DECLARED:
             out = _as_bytes(_build(c).decode(data, out=np.empty(want, np.uint8)))
         else:  # the decoder sizes its own output: what it returns is what it decoded
             out = _as_bytes(_build(c).decode(data))
     require_size(int(out.size), want, f"its {c.id} step")
     return out
+
+
+#: Deflate-family codec id -> the libdeflate function for its framing.
+_LIBDEFLATE = {"zlib": "zlib_decompress", "gzip": "gzip_decompress", "imagecodecs_zlib": "zlib_decompress",
+               "imagecodecs_deflate": "zlib_decompress"}
+
+
+def _inflate(data: np.ndarray, c: Codec, want: int | None) -> np.ndarray | None:
+    """A Deflate-family piece through libdeflate (the ``deflate`` package), or None to use the
+    codec's own decoder.
+
+    libdeflate decodes zlib/gzip/raw Deflate into a buffer of the known decoded size, verifies
+    the Adler-32/CRC-32 trailer, and releases the GIL: 2.3x Python's zlib on one core here
+    (``benchmarks/bench_codecs.py --host-deflate``), and the pieces of a batch decode on all
+    cores (``_pipeline.host_pool``). A stream it refuses (corrupt, a preset dictionary, several
+    gzip members) goes to the codec's own decoder, which decodes it or says what is wrong.
+    """
+    if want is None or c.id not in _LIBDEFLATE:
+        return None
+    try:
+        import deflate
+    except ImportError:  # an optional speed-up: numcodecs/imagecodecs decode without it
+        return None
+    fn = getattr(deflate, "deflate_decompress" if c.get("raw") else _LIBDEFLATE[c.id])
+    try:
+        out = fn(data, want)  # a stream that decodes short returns fewer bytes: require_size says so
+    except deflate.DeflateError:
+        return None
+    return np.frombuffer(out, np.uint8)
 
 
 def _as_bytes(x: Any) -> np.ndarray:

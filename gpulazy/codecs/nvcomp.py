@@ -7,6 +7,8 @@ algorithm, so
 
 - ``zstd``: standard frames decode as they are;
 - ``lz4`` (numcodecs): a 4-byte little-endian size prefix, then one LZ4 block;
+- ``lz4_raw``: one bare LZ4 block (the streams inside blosc and HDF5 bitshuffle chunks,
+  whose framing ``gpulazy.codecs.blosc`` and ``gpulazy.codecs.bitshuffle`` read);
 - ``zlib``: a 2-byte header and a 4-byte Adler-32 trailer around raw Deflate;
 - ``gzip``: a 10-byte header with optional FEXTRA/FNAME/FCOMMENT/FHCRC fields, raw
   Deflate, and an 8-byte CRC-32 + size trailer.
@@ -58,6 +60,7 @@ __all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_head
 ALGORITHMS: dict[str, tuple[str, str]] = {
     "zstd": ("Zstd", "zstd"),
     "lz4": ("LZ4", "lz4-numcodecs"),
+    "lz4_raw": ("LZ4", "lz4-raw"),  # a bare LZ4 block: blosc's and HDF5 bitshuffle's streams
     "zlib": ("Deflate", "zlib"),
     "gzip": ("Deflate", "gzip"),
     "imagecodecs_zstd": ("Zstd", "zstd"),
@@ -127,6 +130,11 @@ class Decoded:
     out: list[Any]
     host: list[int] = field(default_factory=list)
     why: dict[int, str] = field(default_factory=dict)
+    #: Pieces in ``host`` because no GPU decoder takes them (e.g. blosc with blosclz inside):
+    #: the caller warns once that they decode on the host.
+    slow: list[int] = field(default_factory=list)
+    #: The step the host decodes ``host`` pieces with, when not the batch's own codec.
+    host_codec: Codec | None = None
 
 
 def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Decoded:
@@ -137,7 +145,8 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
     if codec.id == "imagecodecs_deflate" and codec.get("raw"):
         framing = "raw"
     result = Decoded([None] * len(pieces))
-    heads, tails = _ends(pieces)
+    # Headless framings need no bytes on the host: skip the copy down.
+    heads, tails = ([b""] * len(pieces),) * 2 if framing in _HEADLESS else _ends(pieces)
     spans: list[tuple[int, int, int]] = []  # (piece, start, stop) of the bare stream
     for i, (p, n) in enumerate(zip(pieces, sizes)):
         span, why = _frame(codec.id, framing, heads[i], tails[i], int(p.size), int(n)) if n > 0 \
@@ -255,6 +264,10 @@ def _frame(codec_id: str, framing: str, head: bytes, tail: bytes, size: int, exp
     if framing == "gzip":
         return _gzip(head, tail, size)
     return ((0, size), "") if size else (None, "empty stream")
+
+
+#: Framings whose stream is the whole piece, checked without reading its bytes on the host.
+_HEADLESS = frozenset({"raw", "lz4-raw"})
 
 
 def _zstd(head: bytes, size: int) -> tuple[Any, str]:
@@ -425,6 +438,7 @@ _WALKS = {
     "lz4-numcodecs": ("lz4_walk", _LZ4_WALK, "lz4 sequences do not end at the end of the piece with the "
                       "expected size (truncated or corrupt)"),
 }
+_WALKS["lz4-raw"] = _WALKS["lz4-numcodecs"]
 
 
 def _lz4(head: bytes, size: int) -> tuple[Any, str]:

@@ -15,10 +15,11 @@ szip (4)                   ``imagecodecs_szip`` (libaec)
 lzf (32000)                ``imagecodecs_lzf``
 blosc (32001)              ``blosc`` (numcodecs)
 lz4 (32004)                ``imagecodecs_lz4h5`` (HDF5's own lz4 framing)
+bitshuffle + lz4 (32008)   ``bitshuffle_lz4`` (``gpulazy.codecs.bitshuffle``; nvCOMP on a GPU)
 zstd (32015)               ``zstd``
 =========================  ===============================================
 
-Any other filter (nbit, scale-offset, bitshuffle, blosc2, zfp, ...) is refused at
+Any other filter (nbit, scale-offset, bitshuffle without LZ4, blosc2, zfp, ...) is refused at
 index time, naming the file, the dataset and the filter. A chunk stored with an optional
 filter skipped (HDF5 does so when e.g. lzf or blosc would grow it) decodes without that
 step; as a block's tiles share one codec, a dataset with such chunks gets one stored chunk
@@ -66,7 +67,7 @@ _H5_FILTERS = {  # id: name, for messages (https://github.com/HDFGroup/hdf5_plug
     307: "bzip2", 32000: "lzf", 32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32013: "zfp",
     32015: "zstd", 32017: "sz", 32018: "fcidecomp", 32026: "blosc2", 32028: "sz3",
 }
-_SUPPORTED = "deflate/gzip, shuffle, fletcher32, szip, lzf, blosc, lz4, zstd"
+_SUPPORTED = "deflate/gzip, shuffle, fletcher32, szip, lzf, blosc, lz4, bitshuffle+lz4, zstd"
 
 
 @dataclass(frozen=True)
@@ -426,6 +427,10 @@ def _filter_codec(fid: int, cd: tuple[int, ...], ds: Hdf5Dataset) -> Codec:
         codec = Codec.of("imagecodecs_lz4h5")
     elif fid == 32015:
         codec = Codec.of("zstd")
+    elif fid == 32008 and len(cd) > 4 and cd[4] == 2:
+        # bitshuffle + LZ4 (Dectris detectors, hdf5plugin.Bitshuffle): cd = (version, version, element
+        # size, block size, 2 = LZ4); the block size is read from each chunk's own header.
+        codec = Codec.of("bitshuffle_lz4", elementsize=cd[2] or ds.dtype.itemsize)
     else:
         name = _H5_FILTERS.get(fid, "unregistered")
         raise LayoutError(f"dataset {ds.name!r} of {ds.path!r} uses HDF5 filter {fid} ({name}), which gpulazy "

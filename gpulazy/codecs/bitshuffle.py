@@ -1,0 +1,255 @@
+"""HDF5's bitshuffle + LZ4 filter (32008, what Dectris detectors and hdf5plugin write).
+
+A chunk (bitshuffle's ``bshuf_h5_filter`` and ``bshuf_blocked_wrap_fun``, src/ of
+kiyo-masui/bitshuffle) is a 12-byte big-endian header — the decoded size (uint64) and
+the block size in bytes (uint32) — then blocks of ``block`` elements (a multiple of 8),
+each a 4-byte big-endian compressed size and one LZ4 block of the block's bit-shuffled
+bytes; the last block holds the elements left over, rounded down to a multiple of 8; the
+last ``count % 8`` elements follow as they are. A block's bits are laid out as in blosc's
+bit shuffle: bit ``b`` of byte ``j`` of element ``i`` is bit ``(8 j + b) * n + i``.
+
+On the GPU (``decode``): headers checked on the host, one thread per chunk walks its block
+sizes (``_WALK``; host twin ``walk_blocks``), every LZ4 block of the batch goes to nvCOMP
+in one call, one launch of blosc's assemble kernel bit-unshuffles them into the chunks.
+On the host (``decode_host``): python-lz4 per block, then imagecodecs' bitshuffle (or
+NumPy when imagecodecs is missing). Codec: ``Codec.of("bitshuffle_lz4", elementsize=n)``.
+
+>>> import struct
+>>> h = parse_header(struct.pack(">QI", 4096, 2048), 40, 4096, 2)
+>>> (h.count, h.block, h.nblocks, h.leftover)
+(2048, 1024, 2, 0)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpulazy.codecs._frames import FrameError
+from gpulazy.spec import Codec
+
+__all__ = ["Header", "parse_header", "walk_blocks", "decode_host", "handles", "decode", "HEADER"]
+
+HEADER = 12
+
+
+@dataclass(frozen=True)
+class Header:
+    """A checked header: ``count`` elements of ``elementsize`` bytes in blocks of ``block``."""
+
+    nbytes: int
+    elementsize: int
+    block: int
+
+    @property
+    def count(self) -> int:
+        return self.nbytes // self.elementsize
+
+    @property
+    def sizes(self) -> list[int]:
+        """Elements in each LZ4 block."""
+        full, rest = divmod(self.count, self.block)
+        return [self.block] * full + ([rest - rest % 8] if rest - rest % 8 else [])
+
+    @property
+    def nblocks(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def leftover(self) -> int:
+        """Bytes stored as they are after the last block."""
+        return self.count % 8 * self.elementsize
+
+
+def parse_header(head: bytes, size: int, expected: int | None, elementsize: int) -> Header:
+    """The header of a piece of ``size`` bytes; ``FrameError`` when it cannot be this piece's."""
+    if size < HEADER or len(head) < HEADER:
+        raise FrameError(f"a bitshuffle piece of {size} bytes cannot hold its {HEADER}-byte header")
+    nbytes, block_bytes = struct.unpack_from(">QI", head)
+    if expected is not None and nbytes != expected:
+        raise FrameError(f"its bitshuffle header says it decodes to {nbytes} bytes", got=nbytes)
+    if elementsize <= 0 or nbytes % elementsize:
+        raise FrameError(f"{nbytes} bytes are not whole elements of {elementsize} bytes", got=nbytes)
+    block = block_bytes // elementsize
+    if block_bytes % elementsize or block <= 0 or block % 8:
+        raise FrameError(f"bitshuffle block size {block_bytes} bytes is not a positive multiple of 8 elements "
+                         f"of {elementsize} bytes", got=nbytes)
+    h = Header(nbytes, elementsize, block)
+    if HEADER + 8 * h.nblocks + h.leftover > size:  # a size prefix and >= 4 bytes of LZ4 per block
+        raise FrameError(f"a bitshuffle piece of {size} bytes cannot hold {h.nblocks} blocks", got=nbytes)
+    return h
+
+
+def walk_blocks(data: bytes | memoryview, h: Header) -> list[tuple[int, int]]:
+    """``(offset, compressed size)`` of every LZ4 block: the host twin of ``_WALK``.
+
+    Each size must be positive and fit, and the blocks plus the leftover bytes must end
+    exactly at the piece's end: ``FrameError`` otherwise.
+    """
+    pos, end, out = HEADER, len(data) - h.leftover, []
+    for k in range(h.nblocks):
+        if pos + 4 > end:
+            raise FrameError(f"bitshuffle block {k}: its size prefix at {pos} passes the blocks' end {end}")
+        c = int.from_bytes(data[pos:pos + 4], "big")
+        pos += 4
+        if not 0 < c <= end - pos:
+            raise FrameError(f"bitshuffle block {k}: {c} compressed bytes at {pos} do not fit before {end}")
+        out.append((pos, c))
+        pos += c
+    if pos != end:
+        raise FrameError(f"bitshuffle blocks end at {pos}, but the piece leaves them {end} bytes")
+    return out
+
+
+def decode_host(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+    """One piece on the host: python-lz4's safe decoder per block, then the bit unshuffle."""
+    import lz4.block
+
+    data = np.ascontiguousarray(np.asarray(data).reshape(-1).view(np.uint8))
+    blob = memoryview(data)  # slices without copies: python-lz4 and int.from_bytes take buffers
+    es = int(codec.get("elementsize", 1))
+    h = parse_header(bytes(blob[:HEADER]), len(blob), expected, es)
+    shuffled = np.empty(h.nbytes, np.uint8)
+    at = 0
+    for (off, c), n in zip(walk_blocks(blob, h), h.sizes):
+        try:
+            part = lz4.block.decompress(blob[off:off + c], uncompressed_size=n * es)
+        except lz4.block.LZ4BlockError as e:
+            raise FrameError(f"bitshuffle block at {off}: {e}") from e
+        if len(part) != n * es:
+            raise FrameError(f"bitshuffle block at {off} decoded to {len(part)} bytes, expected {n * es}")
+        shuffled[at:at + n * es] = np.frombuffer(part, np.uint8)
+        at += n * es
+    shuffled[at:] = data[data.size - h.leftover:]
+    return _bitunshuffle(shuffled, h)
+
+
+def _bitunshuffle(shuffled: np.ndarray, h: Header) -> np.ndarray:
+    try:
+        import imagecodecs
+    except ImportError:
+        imagecodecs = None
+    if imagecodecs is not None and hasattr(imagecodecs, "bitshuffle_decode"):
+        # bitshuffle's own blocked unshuffle: the same blocks, and the leftover copied as is. It
+        # takes an array's element size from its dtype (ignoring ``itemsize``): a typed view, or bytes.
+        es = h.elementsize
+        src = shuffled.view(f"u{es}") if es in (1, 2, 4, 8) else shuffled.tobytes()
+        out = imagecodecs.bitshuffle_decode(src, itemsize=es, blocksize=h.block)
+        if isinstance(out, np.ndarray):
+            return out.reshape(-1).view(np.uint8)
+        return np.frombuffer(out, np.uint8).copy()
+    from gpulazy.codecs.blosc import unshuffle_block
+
+    out, at = shuffled.copy(), 0
+    for n in h.sizes:
+        out[at:at + n * h.elementsize] = unshuffle_block(shuffled[at:at + n * h.elementsize], h.elementsize, 2)
+        at += n * h.elementsize
+    return out
+
+
+# -- the GPU path ---------------------------------------------------------------------------
+
+def handles(c: Codec) -> bool:
+    """Whether ``c`` decodes on the GPU here (nvCOMP's LZ4 for the blocks)."""
+    from gpulazy.codecs import nvcomp
+
+    return c.id == "bitshuffle_lz4" and "lz4_raw" in nvcomp.supported()
+
+
+def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Any:
+    """``pieces`` (1-D CuPy uint8) each to ``sizes[i]`` bytes: an ``nvcomp.Decoded``; pieces
+    that fail a check or whose LZ4 nvCOMP refuses are in ``host`` (``decode_host`` says why)."""
+    from gpulazy.codecs import blosc, filters, nvcomp
+
+    result = nvcomp.Decoded([None] * len(pieces))
+    es = int(codec.get("elementsize", 1))
+    heads, _ = nvcomp._ends(pieces)
+    plans: dict[int, Header] = {}
+    for i, (p, n) in enumerate(zip(pieces, sizes)):
+        try:
+            plans[i] = parse_header(heads[i], int(p.size), int(n), es)
+        except FrameError as e:
+            result.host.append(i)
+            result.why[i] = str(e)
+    walked = _walk(pieces, plans) if plans else {}
+    streams: list[tuple[int, int, Any, int]] = []  # (piece, block, view, decoded bytes)
+    for i, table in walked.items():
+        if table is None:
+            result.host.append(i)
+            result.why[i] = "bitshuffle block sizes do not fit the piece (truncated or corrupt)"
+            continue
+        for k, ((off, c), n) in enumerate(zip(table, plans[i].sizes)):
+            streams.append((i, k, pieces[i][off:off + c], n * es))
+    res = nvcomp.decode([v for _, _, v, _ in streams], Codec("lz4_raw"), [n for *_, n in streams], device_index) \
+        if streams else nvcomp.Decoded([])
+    failed = {streams[k][0] for k in range(len(streams)) if res.out[k] is None}
+    for i in sorted(failed):
+        result.host.append(i)
+        result.why[i] = "a bitshuffle LZ4 block did not decode on the GPU"
+    kept = [i for i in walked if walked[i] is not None and i not in failed]
+    if kept:
+        _, outs = filters.carve([plans[i].nbytes for i in kept])
+        decoded = {(piece, k): res.out[j] for j, (piece, k, _, _) in enumerate(streams)}
+        rows, sources = [], {}
+        for i, out in zip(kept, outs):
+            at = 0
+            for k, n in enumerate(plans[i].sizes):  # each block bit-unshuffled from nvCOMP's output
+                sources[len(sources)] = decoded[(i, k)]
+                rows.append((out.data.ptr + at, n * es, es, 2, len(sources) - 1, n * es))
+                at += n * es
+            if plans[i].leftover:  # the trailing elements, stored as they are
+                sources[len(sources)] = pieces[i][int(pieces[i].size) - plans[i].leftover:]
+                rows.append((out.data.ptr + at, plans[i].leftover, es, 0, len(sources) - 1, plans[i].leftover))
+            result.out[i] = out
+        blosc.assemble(rows, sources)
+    result.host.sort()
+    return result
+
+
+def _walk(pieces: Sequence[Any], plans: dict[int, Header]) -> dict[int, list[tuple[int, int]] | None]:
+    """Every chunk's block offsets and sizes (None: the walk failed): one thread per chunk, one copy down."""
+    import cupy
+
+    from gpulazy.codecs import filters
+
+    order = list(plans)
+    firsts = np.cumsum([0, *(plans[i].nblocks for i in order)])
+    rows = np.array([[pieces[i].data.ptr, int(pieces[i].size) - plans[i].leftover, plans[i].nblocks, f]
+                     for i, f in zip(order, firsts[:-1])], dtype=np.int64)
+    total = int(firsts[-1])
+    found = cupy.zeros(2 * total + len(order), dtype=np.int64)
+    k = filters.kernel("bitshuffle_walk", _WALK)
+    k((-(-len(order) // 64),), (64,), (cupy.asarray(rows), found, np.int64(total), np.int64(len(order))))
+    host = found.get()
+    out: dict[int, list[tuple[int, int]] | None] = {}
+    for j, (i, f) in enumerate(zip(order, firsts[:-1])):
+        n = plans[i].nblocks
+        ok = host[2 * total + j]
+        out[i] = list(zip(host[f:f + n].tolist(), host[total + f:total + f + n].tolist())) if ok else None
+    return out
+
+
+# One thread per chunk: the rules of ``walk_blocks``. ``row``: piece address, where the
+# blocks must end, block count, first slot. ``found``: offsets[total], sizes[total], ok[count].
+def _walk_source() -> str:
+    from gpulazy.codecs.blosc import row_kernel
+
+    return row_kernel("bitshuffle_walk", 4, "total", r"""
+    long long end = row[1], nblocks = row[2], slot = row[3], pos = 12, good = 1;
+    for (long long k = 0; k < nblocks; ++k) {
+        if (pos + 4 > end) { good = 0; break; }
+        long long c = ((long long)s[pos] << 24) | ((long long)s[pos + 1] << 16) | ((long long)s[pos + 2] << 8)
+                      | (long long)s[pos + 3];
+        pos += 4;
+        if (c <= 0 || c > end - pos) { good = 0; break; }
+        found[slot + k] = pos;
+        found[total + slot + k] = c;
+        pos += c;
+    }
+    found[2 * total + t] = good && pos == end;""")
+
+
+_WALK = _walk_source()

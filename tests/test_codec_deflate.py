@@ -1,8 +1,7 @@
-"""Deflate on the host's cores (libdeflate through the ``deflate`` package) and beside nvCOMP.
+"""Deflate on the host's cores (libdeflate through the ``deflate`` package), and by nvCOMP on a GPU.
 
 HDF5 gzip chunks and TIFF deflate tiles are ``zlib`` pieces; numcodecs ``GZip`` writes
-``gzip`` ones. On ``"cpu"`` a batch decodes on ``_pipeline.host_pool`` with libdeflate; on
-a GPU a batch is split between nvCOMP and the host by their measured rates.
+``gzip`` ones. On ``"cpu"`` a batch decodes on ``_pipeline.host_pool`` with libdeflate.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpulazy
-from gpulazy.codecs import _deflate_split, _pipeline, decode_pieces, host
+from gpulazy.codecs import _pipeline, decode_pieces, host
 from gpulazy.device import get_device
 from gpulazy.errors import ChunkDecodeError, PerformanceWarning
 from gpulazy.spec import ByteRange, Codec
@@ -99,66 +98,15 @@ def test_host_map_raises_the_first_failing_pieces_error():
         decode_pieces(blobs, (ZLIB,), [len(r) for r in raws], get_device("cpu"), where=where)
 
 
-# -- the split between host and GPU -----------------------------------------------------------
-
-@pytest.mark.parametrize("host_rate, gpu_rate, sizes, want", [
-    (1.0, 1.0, [10] * 4, [0, 1]),
-    (3.0, 1.0, [10] * 8, [0, 1, 2, 3, 4, 5]),
-    (1.0, 3.0, [10] * 8, [0, 1]),
-    (1.0, 1000.0, [10] * 40, [0, 1]),          # at least 5 % stays on the host
-    (1000.0, 1.0, [10] * 40, list(range(38))),  # and on the GPU
-    (1.0, 1.0, [100, 1, 1, 1], [0]),            # whole pieces: the nearest to half the bytes
-    (1.0, 1.0, [1, 100, 1, 1], [0, 1]),
-])
-def test_split_gives_each_side_its_share_of_the_bytes(host_rate, gpu_rate, sizes, want):
-    assert _deflate_split.split(sizes, host_rate, gpu_rate) == want
-
-
-def test_rates_follow_what_batches_measure(monkeypatch):
-    monkeypatch.setattr(_deflate_split, "_rates", {})
-    start = _deflate_split.rates()
-    assert start["gpu"] == 1.7e9 and start["host"] > 0
-    _deflate_split.record("gpu", 10**9, 0.1)  # 10 GB/s measured
-    assert _deflate_split.rates()["gpu"] == pytest.approx(0.5 * 1.7e9 + 0.5 * 1e10)
-    _deflate_split.record("host", 0, 1.0)  # nothing measured: unchanged
-    assert _deflate_split.rates()["host"] == start["host"]
-
-
-def test_only_deflate_batches_are_split():
-    assert _deflate_split.applies(ZLIB, 8) and _deflate_split.applies(GZIP, 2)
-    assert not _deflate_split.applies(ZLIB, 1) and not _deflate_split.applies(Codec.of("zstd"), 8)
-
+# -- on a GPU: nvCOMP decodes deflate, a corrupt piece is named ----------------------------------
+# (A split of each batch between nvCOMP and the host's cores was tried: on the H100 it decoded
+# zlib-1 at 0.80 GB/s against 1.62 for nvCOMP alone at 2f3a4d7, so it is not in.)
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", [ZLIB, GZIP], ids=lambda c: c.id)
-def test_gpu_deflate_batch_splits_between_nvcomp_and_host(codec, monkeypatch):
+@pytest.mark.parametrize("bad", [0, 23])
+def test_gpu_deflate_names_a_corrupt_piece(bad):
     import cupy
 
-    monkeypatch.setattr(_deflate_split, "_rates", {"host": 1.0, "gpu": 1.0})  # half and half
-    raws = [payload(int(n), k) for k, n in enumerate(np.random.default_rng(0).integers(1000, 400_000, 24))]
-    blobs = [encoded(codec, r) for r in raws]
-    buf = cupy.asarray(np.frombuffer(b"\x01" + b"".join(blobs), np.uint8))
-    cuts = np.cumsum([1, *map(len, blobs)])
-    pieces = [buf[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-    gpulazy.stats().reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", PerformanceWarning)
-        out = decode_pieces(pieces, (codec,), [len(r) for r in raws], get_device("cuda:0"))
-    got = [o.get().tobytes() for o in out]
-    assert [k for k, (g, r) in enumerate(zip(got, raws)) if g != r] == []
-    places = gpulazy.stats().snapshot()["decode_by_codec"][codec.id]
-    assert set(places) == {"gpu", "host"}, places
-    assert places["gpu"]["bytes"] + places["host"]["bytes"] == sum(map(len, raws))
-    r = _deflate_split.rates()
-    assert r["host"] != 1.0 and r["gpu"] != 1.0  # both sides measured this batch
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bad", [0, 23])  # the first piece goes to the host, the last to nvCOMP
-def test_gpu_deflate_split_names_a_corrupt_piece_on_either_side(bad, monkeypatch):
-    import cupy
-
-    monkeypatch.setattr(_deflate_split, "_rates", {"host": 1.0, "gpu": 1.0})
     raws = [payload(50_000, k) for k in range(24)]
     blobs = [encoded(ZLIB, r) for r in raws]
     blobs[bad] = blobs[bad][:-10]
@@ -166,4 +114,3 @@ def test_gpu_deflate_split_names_a_corrupt_piece_on_either_side(bad, monkeypatch
     where = [ByteRange("/d/x.h5", 1000 * k, len(b)) for k, b in enumerate(blobs)]
     with pytest.raises(ChunkDecodeError, match=rf"'/d/x\.h5' at offset {1000 * bad}\b"):
         decode_pieces(pieces, (ZLIB,), [len(r) for r in raws], get_device("cuda:0"), where=where)
-    assert _pipeline.host_pool() is _pipeline.host_pool()

@@ -71,15 +71,12 @@ def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Seq
     return current
 
 
-def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any], *,
-          split: bool = True) -> list[Any]:
-    from gpulazy.codecs import _deflate_split, filters
+def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> list[Any]:
+    from gpulazy.codecs import filters
     from gpulazy.codecs._pipeline import _record, warn_host_fallback
 
     started = time.perf_counter()
     decoder = _batch_decoder(c) if sizes is not None else None
-    if decoder is not None and split and _deflate_split.applies(c, len(pieces)):
-        return _beside_host(pieces, c, sizes, device, where)
     if decoder is not None:
         res = decoder(pieces, c, sizes, device.index)
         out = list(res.out)
@@ -111,47 +108,6 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
     out = _on_host(pieces, c, sizes, where)
     _record(sum(int(p.size) for p in out), started, (c,), "host", device)
     return out
-
-
-def _beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any]) -> list[Any]:
-    """A Deflate batch decoded by nvCOMP and the host's cores at once, split by their rates.
-
-    The host's pieces are copied down and queued on the host pool first, then the GPU's go
-    through nvCOMP (``_step``, its own checks and fallbacks), then the host's are copied up.
-    Each side's measured rate steers the next split (``_deflate_split``).
-    """
-    from gpulazy.codecs import _deflate_split
-    from gpulazy.codecs._pipeline import _host_one, _record, host_pool
-
-    on_host = _deflate_split.split(sizes)
-    if not on_host:
-        return _step(pieces, c, sizes, device, where, split=False)
-    started = time.perf_counter()
-    futures = [host_pool().submit(_timed, _host_one, piece, (c,), sizes[i], where[i])
-               for i, piece in zip(on_host, _download([pieces[i] for i in on_host]))]
-    chosen = set(on_host)
-    rest = [i for i in range(len(pieces)) if i not in chosen]
-    gpu_started = time.perf_counter()
-    decoded = _step([pieces[i] for i in rest], c, [sizes[i] for i in rest], device, [where[i] for i in rest],
-                    split=False)
-    gpu_seconds = time.perf_counter() - gpu_started
-    results = [f.result() for f in futures]  # the first failing piece's error, naming its file
-    host_out = _upload([arr for arr, _ in results])
-    host_bytes = sum(sizes[i] for i in on_host)
-    _record(host_bytes, started, (c,), "host", device)
-    _deflate_split.record("host", host_bytes, max(t for _, t in results) - started)
-    _deflate_split.record("gpu", sum(sizes[i] for i in rest), gpu_seconds)
-    out: list[Any] = [None] * len(pieces)
-    for i, arr in zip(on_host, host_out):
-        out[i] = arr
-    for i, arr in zip(rest, decoded):
-        out[i] = arr
-    return out
-
-
-def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    """``fn(*args)`` and the moment it finished (a pool job's end, for its side's rate)."""
-    return fn(*args), time.perf_counter()
 
 
 def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]

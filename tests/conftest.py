@@ -25,6 +25,8 @@ def pytest_sessionstart(session):
     for dt in ("int32", "int64", "uint16", "uint8", "float32", "float64"):
         a = cupy.arange(1024, dtype=dt)
         a.sum(), a.max(), a.min(), a.astype("float64").mean()
+        b = a.reshape(4, 16, 16)  # dask's blockwise reductions: keepdims over all or some axes
+        b.sum(axis=(0, 1, 2), keepdims=True), b.max(axis=0), b.sum(axis=(1, 2))
     cupy.cuda.Device(0).synchronize()
 
 

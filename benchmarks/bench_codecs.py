@@ -204,13 +204,13 @@ def host_deflate(n: int, repeat: int) -> dict:
 
     Times ``n`` zlib-1 chunks decoded one after the other with numcodecs (what gpulazy did
     before), and through ``decode_pieces`` on ``"cpu"`` (libdeflate, the batch on
-    ``_pipeline.host_pool``), on one thread and on all cores.
+    ``_run.host_pool``), on one thread and on all cores.
     """
     import numcodecs
 
     import gpulazy
     from gpulazy.codecs import decode_pieces
-    from gpulazy.codecs._pipeline import host_pool
+    from gpulazy.codecs._run import host_pool
     from gpulazy.spec import Codec
 
     chunks = make_chunks(n)

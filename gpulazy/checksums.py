@@ -35,7 +35,7 @@ the file and the offset.
 
 On a GPU the hash runs on the host: the chunk's stored bytes are copied down, then
 hashed. The Zarr ``crc32c`` codec is checked where
-the bytes are, by CuPy kernels (``gpulazy._crc32c_cuda``).
+the bytes are, by CuPy kernels (``gpulazy.codecs._crc32c_gpu``).
 
 >>> import numpy as np, os, tempfile, gpulazy
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "a.raw")
@@ -57,6 +57,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from gpulazy.codecs._frames import crc32c
 from gpulazy.errors import ChunkReadError, LayoutError
 from gpulazy.spec import ByteRange, ChunkSpec
 
@@ -76,15 +77,6 @@ _PARALLEL_BYTES = 8 << 20  # a chunk with more bytes than this hashes its blocks
 _METADATA_BYTES, _METADATA_FRACTION = 64 << 20, 0.25
 # Files of a store that say how to read its chunk files (Zarr's; some are dotfiles, listed all the same).
 _STORE_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
-
-
-def crc32c(data: Any, crc: int = 0) -> int:
-    """CRC32C of ``data`` (bytes or a contiguous NumPy array), continuing from ``crc``."""
-    import google_crc32c
-
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8)
-    return google_crc32c.extend(crc, data)
 
 
 def block_hash(*parts: Any) -> bytes:
@@ -494,7 +486,7 @@ def _verify_carried(buf: Any, spec: ChunkSpec, step: int) -> None:
         return
     checks = _codec_checks(buf, spec)
     if not isinstance(buf, np.ndarray) and _gpu_kernel_ok(buf):
-        from gpulazy._crc32c_cuda import segment_crcs
+        from gpulazy.codecs._crc32c_gpu import segment_crcs
 
         starts, lengths = (np.array([getattr(c, f) for c in checks]) for f in ("start", "length"))
         crcs = segment_crcs(buf, starts, lengths, np.zeros(len(checks), np.uint32))
@@ -518,7 +510,7 @@ def _on_host(buf: Any) -> np.ndarray:
 
 
 def _gpu_kernel_ok(buf: Any) -> bool:
-    from gpulazy._crc32c_cuda import usable
+    from gpulazy.codecs._crc32c_gpu import usable
 
     return usable(int(buf.device.id))
 

@@ -328,9 +328,9 @@ def test_gpu_decodes_split_lz4_blocks(typesize):
 def test_gpu_blosc_mixed_batch_warns_once_for_blosclz():
     # lz4, zstd, memcpyed and blosclz chunks in one call: blosclz decodes on the host with
     # one PerformanceWarning, the rest on the GPU.
-    from gpulazy.codecs import _pipeline
+    from gpulazy.codecs import _run
 
-    _pipeline._warn_once.cache_clear()
+    _run._warn_once.cache_clear()
     raws = [data_for(50_000, 4, seed=k) for k in range(3)] + [data_for(9_000, 1, 7, kind="random")]
     blobs = [compress(raws[0], "lz4", 5, 1, 0, 4), compress(raws[1], "zstd", 3, 2, 0, 4),
              compress(raws[2], "blosclz", 5, 1, 0, 4), compress(raws[3], "lz4", 5, 0, 0, 1)]

@@ -1,7 +1,7 @@
 """Deflate on the host's cores (libdeflate through the ``deflate`` package), and by nvCOMP on a GPU.
 
 HDF5 gzip chunks and TIFF deflate tiles are ``zlib`` pieces; numcodecs ``GZip`` writes
-``gzip`` ones. On ``"cpu"`` a batch decodes on ``_pipeline.host_pool`` with libdeflate.
+``gzip`` ones. On ``"cpu"`` a batch decodes on ``_run.host_pool`` with libdeflate.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpulazy
-from gpulazy.codecs import _pipeline, decode_pieces, host
+from gpulazy.codecs import _run, decode_pieces, host
 from gpulazy.device import get_device
 from gpulazy.errors import ChunkDecodeError, PerformanceWarning
 from gpulazy.spec import ByteRange, Codec

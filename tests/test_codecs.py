@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpulazy
-from gpulazy.codecs import _pipeline, decoded_on, decode_pieces
+from gpulazy.codecs import _pipeline, _run, decoded_on, decode_pieces
 from gpulazy.codecs.gpu import step_sizes
 from gpulazy.device import get_device
 from gpulazy.errors import ChunkDecodeError, PerformanceWarning
@@ -401,7 +401,7 @@ def test_gzip_header_fields_are_skipped_on_the_gpu(tmp_path):
 @pytest.mark.gpu
 def test_unsupported_codec_warns_once_and_decodes_on_host(tmp_path):
     # blosc with blosclz inside has no GPU decoder (nvCOMP has no blosclz): host, one warning.
-    _pipeline._warn_once.cache_clear()
+    _run._warn_once.cache_clear()
     gpulazy.stats().reset()
     data = sample((20, 20), "<u2")
     blosc = Codec.of("blosc", cname="blosclz", clevel=1, shuffle=2, blocksize=0)

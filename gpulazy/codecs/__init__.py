@@ -40,7 +40,7 @@ from gpulazy.device import Device, own_stream
 from gpulazy.spec import ChunkSpec, Tile
 from gpulazy.stats import record_fills
 
-__all__ = ["assemble", "assemble_batch", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
+__all__ = ["assemble", "assemble_batch", "byteswap", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
 
 
 def assemble(buf: Any, spec: ChunkSpec, device: Device) -> Any:
@@ -99,9 +99,7 @@ def _covered(spec: ChunkSpec) -> bool:
 
 def _typed(raw: Any, dt: np.dtype, tile: Tile, device: Device) -> Any:
     if dt.itemsize > 1 and not dt.isnative:
-        from gpulazy.io._read import _byteswap
-
-        raw = _byteswap(raw, dt, device)
+        raw = byteswap(raw, dt, device)
     arr = raw.view(dt.newbyteorder("="))
     if tile.order == "F":
         return arr.reshape(tile.shape[::-1]).transpose()
@@ -128,3 +126,13 @@ def decoded_on(codec: Sequence[Any] | None, device: Device) -> str:
     from gpulazy.codecs.gpu import runs_on_gpu
 
     return "gpu" if all(runs_on_gpu(c) for c in codec) else "host"
+
+
+def byteswap(raw: Any, dt: np.dtype, device: Device) -> Any:
+    # In place: reverse the bytes of every element. Works for NumPy and CuPy alike
+    # (CuPy has no ndarray.byteswap); complex types swap each half on its own.
+    unit = dt.itemsize // 2 if dt.kind == "c" else dt.itemsize
+    with own_stream(device):  # not the legacy stream; done before the chunk is handed out
+        lanes = raw.reshape(-1, unit)
+        lanes[...] = lanes[:, ::-1].copy()
+    return raw

@@ -28,14 +28,14 @@ a garbled header asks for). ``require_size`` checks what a step really decoded.
 from __future__ import annotations
 
 import struct
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from gpulazy.spec import Codec
 
 __all__ = ["FrameError", "HEAD", "TAIL", "declared_size", "check_declared", "require_size", "zstd_header",
-           "ZSTD_MAGIC", "step_sizes"]
+           "ZSTD_MAGIC", "step_sizes", "crc32c"]
 
 HEAD = 64  # header bytes every check may look at (the GPU path fetches this many per piece)
 TAIL = 8   # trailer bytes (gzip's CRC-32 and ISIZE)
@@ -180,3 +180,13 @@ def _input_sizes(c: Codec, out: list[int]) -> list[int] | None:
             return None
         return [n // dt.itemsize * at.itemsize for n in out]
     return None
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC32C (Castagnoli) of ``data`` (bytes or a contiguous NumPy array), continuing from ``crc``:
+    Zarr's ``crc32c`` codec, and the reference the GPU kernel is checked against."""
+    import google_crc32c
+
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8)
+    return google_crc32c.extend(crc, data)

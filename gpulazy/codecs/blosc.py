@@ -181,14 +181,14 @@ def unshuffle_block(shuffled: np.ndarray, typesize: int, mode: int) -> np.ndarra
     return out
 
 
-def decode_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+def decode_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray | None:
     """A blosc piece decoded on the host by the GPU path's plan, every stream bounds-checked.
 
     For pieces the GPU path refused: c-blosc decodes LZ4 streams with
     ``LZ4_decompress_fast``, which trusts the stream (a garbled payload whose lengths still
     add up decodes to wrong bytes, silently), so LZ4 streams go through python-lz4's safe
     decoder after the GPU walk's rules (``nvcomp.lz4_block_fits``), and zstd streams through numcodecs' (which checks them). Other inner
-    codecs, or no python-lz4, go to c-blosc (numcodecs). Far slower than c-blosc (the walk
+    codecs, or no python-lz4: ``None`` (the host decodes with c-blosc, numcodecs). Far slower than c-blosc (the walk
     is Python): not the CPU path's decoder, only the fallback for pieces that already
     failed a GPU-side check.
     """
@@ -198,10 +198,8 @@ def decode_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.n
     if h.nbytes == 0 or h.memcpyed:
         return data[HEADER:HEADER + h.nbytes].copy()
     inner = _safe_inner(h.codec)
-    if inner is None:
-        from gpulazy.codecs.host import decode_step
-
-        return decode_step(data, Codec("blosc"), expected)
+    if inner is None:  # no checked decoder for this inner codec: the caller's c-blosc decodes it
+        return None
     blob = data.tobytes()
     streams = iter(walk_streams(blob, h))
     out = np.empty(h.nbytes, np.uint8)

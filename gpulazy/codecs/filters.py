@@ -79,17 +79,17 @@ def _checked_crc32c(pieces: Sequence[Any]) -> list[Any]:
     and names the file."""
     import cupy
 
-    from gpulazy import _crc32c_cuda
+    from gpulazy.codecs import _crc32c_gpu
 
     if any(int(p.size) < 4 for p in pieces):
         raise ValueError("a crc32c piece shorter than its checksum")
-    if not pieces or not _crc32c_cuda.usable(cupy.cuda.Device().id):
+    if not pieces or not _crc32c_gpu.usable(cupy.cuda.Device().id):
         raise ValueError("the CRC32C kernel is not usable here")
     payloads = [p[: p.size - 4] for p in pieces]
     lengths = np.array([int(p.size) for p in payloads], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     flat = cupy.concatenate(payloads) if lengths.sum() else cupy.zeros(1, cupy.uint8)
-    got = _crc32c_cuda.segment_crcs(flat, starts, lengths, np.zeros(len(pieces), np.uint32))
+    got = _crc32c_gpu.segment_crcs(flat, starts, lengths, np.zeros(len(pieces), np.uint32))
     stored = cupy.concatenate([p[p.size - 4:] for p in pieces]).get().view("<u4")
     if not np.array_equal(np.asarray(got, np.uint32), stored):
         raise ValueError("a crc32c checksum does not match")

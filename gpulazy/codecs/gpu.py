@@ -54,10 +54,10 @@ def _batch_decoder(c: Codec) -> Any:
 def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Sequence[int], device: Device, *,
                   where: Sequence[ByteRange | None] = ()) -> list[Any]:
     """Each piece (1-D CuPy uint8) decoded through ``codec`` on ``device``, a batch per step."""
-    from gpulazy.codecs._pipeline import _pad
+    from gpulazy.codecs._run import _pad
 
     from gpulazy import config
-    from gpulazy.codecs._pipeline import _record
+    from gpulazy.codecs._run import _record
 
     where = _pad(where, len(pieces))
     current = [p.reshape(-1).view(np.uint8) for p in pieces]
@@ -73,7 +73,7 @@ def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Seq
 
 def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> list[Any]:
     from gpulazy.codecs import filters
-    from gpulazy.codecs._pipeline import _record, warn_host_fallback
+    from gpulazy.codecs._run import _record, warn_host_fallback
 
     started = time.perf_counter()
     decoder = _batch_decoder(c) if sizes is not None else None
@@ -113,7 +113,7 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
 def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]
              ) -> list[Any]:
     """Step (or pipeline) ``c`` on the host: one copy down, decode on a thread pool, one copy up."""
-    from gpulazy.codecs._pipeline import _host_one, host_map
+    from gpulazy.codecs._run import _host_one, host_map
 
     if not pieces:
         return []

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpulazy.codecs._frames import HEAD, TAIL, FrameError, check_declared, require_size, step_sizes
+from gpulazy.codecs._frames import HEAD, TAIL, FrameError, check_declared, crc32c, require_size, step_sizes
 from gpulazy.spec import Codec
 
 __all__ = ["decode", "decode_step", "unsupported_reason", "SPECIAL"]
@@ -23,8 +23,6 @@ def _strip_crc32c(data: np.ndarray, codec: Codec, expected: int | None) -> np.nd
     # Zarr v3's crc32c codec appends the CRC32C of the bytes before it (little-endian): a
     # step of the chain like any other, so it is checked on every read, as zarr-python does
     # (a corrupt chunk read as data when only verify=True checked it).
-    from gpulazy.checksums import crc32c
-
     if data.size < 4:
         raise FrameError(f"a crc32c piece of {data.size} bytes cannot hold its 4-byte checksum")
     payload = data[:-4]
@@ -55,7 +53,8 @@ def _tiff_predictor(data: np.ndarray, codec: Codec, expected: int | None) -> np.
 def _blosc_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
     from gpulazy.codecs import blosc
 
-    return blosc.decode_checked(data, codec, expected)
+    out = blosc.decode_checked(data, codec, expected)
+    return decode_step(data, Codec("blosc"), expected) if out is None else out
 
 
 def _bitshuffle_lz4(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
@@ -125,7 +124,7 @@ def _inflate(data: np.ndarray, c: Codec, want: int | None) -> np.ndarray | None:
     libdeflate decodes zlib/gzip/raw Deflate into a buffer of the known decoded size, verifies
     the Adler-32/CRC-32 trailer, and releases the GIL: 2.3x Python's zlib on one core here
     (``benchmarks/bench_codecs.py --host-deflate``), and the pieces of a batch decode on all
-    cores (``_pipeline.host_pool``). A stream it refuses (corrupt, a preset dictionary, several
+    cores (``_run.host_pool``). A stream it refuses (corrupt, a preset dictionary, several
     gzip members) goes to the codec's own decoder, which decodes it or says what is wrong.
     """
     if want is None or c.id not in _LIBDEFLATE:

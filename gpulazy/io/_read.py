@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from gpulazy.device import Device, own_stream
+from gpulazy.codecs import byteswap
+from gpulazy.device import Device
 from gpulazy.io._base import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec
 
@@ -115,18 +116,8 @@ def decode(buf: Any, spec: ChunkSpec, device: Device) -> Any:
     raw = buf[: spec.out_nbytes]
     dt = np.dtype(spec.dtype)
     if spec.needs_byteswap:
-        raw = _byteswap(raw, dt, device)
+        raw = byteswap(raw, dt, device)
     arr = raw.view(spec.out_dtype)
     if spec.order == "F":
         return arr.reshape(spec.shape[::-1]).transpose()
     return arr.reshape(spec.shape)
-
-
-def _byteswap(raw: Any, dt: np.dtype, device: Device) -> Any:
-    # In place: reverse the bytes of every element. Works for NumPy and CuPy alike
-    # (CuPy has no ndarray.byteswap); complex types swap each half on its own.
-    unit = dt.itemsize // 2 if dt.kind == "c" else dt.itemsize
-    with own_stream(device):  # not the legacy stream; done before the chunk is handed out
-        lanes = raw.reshape(-1, unit)
-        lanes[...] = lanes[:, ::-1].copy()
-    return raw

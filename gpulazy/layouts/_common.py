@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from gpulazy import config
+from gpulazy.layouts._slabs import default_chunks, slab_sizes
 from gpulazy.errors import LayoutError, NoFilesError
 from gpulazy.layouts._base import Index
 from gpulazy.spec import ByteRange, ChunkSpec, FileIdentity
@@ -158,51 +159,6 @@ def check_order(order: Any) -> str:
 
 
 # -- chunking -------------------------------------------------------------------------
-def _split(n: int, size: int) -> tuple[int, ...]:
-    """``n`` in blocks of at most ``size``, evened out (1000 by 130 → 8 × 125)."""
-    if n == 0:
-        return (0,)
-    count = -(-n // max(size, 1))
-    size = -(-n // count)
-    return (size,) * (n // size) + ((n % size,) if n % size else ())
-
-
-def slab_sizes(shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:
-    """Block sizes per axis making contiguous C-order slabs of about ``target`` bytes.
-
-    Whole planes along axis 0 (several per chunk when small); when one plane is bigger
-    than ``target``, one plane per chunk and the same rule along the next axis.
-    """
-    shape = tuple(shape)
-    if 0 in shape:
-        return shape
-    sizes = []
-    for k, n in enumerate(shape):
-        inner = math.prod(shape[k + 1:]) * itemsize
-        if inner * n <= target:
-            return tuple(sizes) + shape[k:]
-        if inner <= target:
-            return tuple(sizes) + (max(1, target // inner),) + shape[k + 1:]
-        sizes.append(1)
-    return tuple(sizes)
-
-
-def default_chunks(shape: Sequence[int], itemsize: int, *, order: str = "C", stacked: bool = False,
-                   target: int | None = None) -> tuple[tuple[int, ...], ...]:
-    """Chunks of ~``config.chunk_size`` bytes that are contiguous in the files."""
-    target = int(target or config.get("chunk_size"))
-    shape = tuple(shape)
-    if order == "F" and stacked:
-        # One file per block along axis 0 (an F-order chunk cannot span files).
-        inner = slab_sizes(shape[1:][::-1], itemsize, target)[::-1]
-        sizes = (1,) + inner
-    elif order == "F":
-        sizes = slab_sizes(shape[::-1], itemsize, target)[::-1]
-    else:
-        sizes = slab_sizes(shape, itemsize, target)
-    return tuple(_split(n, s) for n, s in zip(shape, sizes))
-
-
 _CHUNK_FORMS = ("an int (-1: the whole axis), 'auto', a byte size such as '16MiB', None, a tuple with one "
                 "of those per axis or the block lengths of each axis, or a dict {axis: one of those}")
 

@@ -67,7 +67,7 @@ def suggest_chunks(shape: Sequence[int], dtype: np.dtype, *, order: str = "C", s
     Slabs of at least ``smallest`` bytes (default config ``chunk_size``), doubled until
     their count is within config ``max_chunks``.
     """
-    from gpulazy.layouts._common import default_chunks
+    from gpulazy.layouts._slabs import default_chunks
 
     shape = tuple(shape)
     itemsize = np.dtype(dtype).itemsize

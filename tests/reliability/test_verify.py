@@ -205,7 +205,7 @@ segments = st.lists(st.tuples(st.integers(0, 3 * 4096), st.integers(0, 3 * 4096 
 @settings(max_examples=25, deadline=None)
 @given(segs=segments, seed=st.integers(0, 100))
 def test_the_gpu_fold_equals_google_crc32c(segs, seed):
-    from gpulazy._crc32c_cuda import fold_on_host
+    from gpulazy.codecs._crc32c_gpu import fold_on_host
 
     data = np.random.default_rng(seed).integers(0, 256, 6 * 4096 + 100, dtype=np.uint8)
     starts = np.array([min(a, len(data)) for a, _, _ in segs])
@@ -220,7 +220,7 @@ def test_the_gpu_fold_equals_google_crc32c(segs, seed):
 def test_the_gpu_kernels_equal_google_crc32c():
     import cupy
 
-    from gpulazy._crc32c_cuda import segment_crcs, usable
+    from gpulazy.codecs._crc32c_gpu import segment_crcs, usable
 
     assert usable(0)
     data = np.random.default_rng(3).integers(0, 256, (64 << 20) + 77, dtype=np.uint8)

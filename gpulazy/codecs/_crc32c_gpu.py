@@ -167,7 +167,7 @@ def usable(device_index: int) -> bool:
     try:
         import cupy
 
-        from gpulazy.checksums import crc32c
+        from gpulazy.codecs._frames import crc32c
 
         rng = np.random.default_rng(0)
         host = rng.integers(0, 256, 3 * PIECE + 1234, dtype=np.uint8)

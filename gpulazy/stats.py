@@ -81,6 +81,7 @@ class Stats:
             self._oom: dict[str, int] = {}
             self._decodes: dict[tuple[str, str], _DecodeTotals] = {}
             self._filled = 0
+            self._last: ReadEvent | None = None  # kept after the window forgets it: the dashboard's "backend"
             self._started = time.monotonic()
 
     def record_read(self, *, nbytes: int, seconds: float, backend: str, mode: str, device: str) -> None:
@@ -89,6 +90,7 @@ class Stats:
         event = ReadEvent(now, int(nbytes), float(seconds), backend, mode, device)
         with self._lock:
             self._events.append(event)
+            self._last = event
             self._trim(now)
             t = self._totals.setdefault(backend, _BackendTotals())
             t.bytes += event.nbytes
@@ -148,7 +150,7 @@ class Stats:
                 name: {"bytes": t.bytes, "reads": t.reads, "seconds": t.seconds, "modes": dict(t.modes)}
                 for name, t in self._totals.items()
             }
-            last = self._events[-1] if self._events else None
+            last = self._last
             errors = self._errors
             oom = dict(self._oom)
             decodes = {k: v.as_dict() for k, v in self._decodes.items()}

@@ -94,14 +94,18 @@ def cell_seconds(nb) -> list[tuple[float, int]]:
 
 
 def outputs_text(nb) -> str:
+    """The text a reader sees: a cell's stream outputs joined as written (a kernel under load
+    may flush one ``print`` as two stream messages, "freed:" then its value), cells apart."""
     parts = []
     for cell in nb.cells:
+        text = ""
         for out in cell.get("outputs", []):
             if out.get("output_type") == "stream":
-                parts.append(out["text"])
+                text += out["text"]
             elif "data" in out and "text/plain" in out["data"]:
-                parts.append(out["data"]["text/plain"])
-    return "\n".join(parts)
+                text += "\n" + out["data"]["text/plain"]
+        parts.append(text)
+    return "\n".join(p for p in parts if p)
 
 
 def test_the_notebooks_exist_and_are_clean():

@@ -437,3 +437,14 @@ def test_progress_defaults_to_terminal_outside_a_kernel():
     pb = ProgressBar()
     assert pb._use_widget() is False
     assert (pb.minimum, pb.dt) == (0.5, 0.1)
+
+
+def test_the_last_backend_outlives_the_throughput_window():
+    """A dashboard sampled a minute after the reads said "backend no reads yet" beside "64 MiB
+    read" (the rolling window had dropped the reads; CI's headless-Chromium test met it)."""
+    from gpulazy.stats import Stats
+
+    s = Stats(window=0.0)
+    s.record_read(nbytes=10, seconds=0.1, backend="posix", mode="posix", device="cpu")
+    snap = s.snapshot()
+    assert snap["bytes_read"] == 10 and snap["last_backend"] == "posix" and snap["last_mode"] == "posix"

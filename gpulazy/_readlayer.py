@@ -13,7 +13,7 @@ from dask.highlevelgraph import MaterializedLayer
 
 from gpulazy import config
 from gpulazy._batchread import ReadWindow
-from gpulazy.array import pick, read_batch
+from gpulazy._tasks import pick, read_batch
 
 __all__ = ["ReadLayer"]
 

@@ -203,7 +203,7 @@ def window_batch(task: Any) -> tuple[Any, int] | None:
 
     Such a batch is read ahead by its window (``gpulazy._batchread``), not through the cache.
     """
-    from gpulazy.array import read_batch
+    from gpulazy._tasks import read_batch
 
     if getattr(task, "func", None) is not read_batch:
         return None
@@ -230,7 +230,7 @@ def find_reads(task: Any) -> list[tuple[ChunkSpec, Any]]:
     >>> [(s.shape, src.device) for s, src in find_reads(task)]
     [((8,), 'cpu')]
     """
-    from gpulazy.array import load_chunk, read_batch
+    from gpulazy._tasks import load_chunk, read_batch
 
     out: list[tuple[ChunkSpec, Any]] = []
     _walk(task, (load_chunk, read_batch), out, 0)

@@ -22,8 +22,9 @@ threads.
 land and before they are decoded, on every read path (``verify_chunk``, called by the
 read's future, ``VerifiedRead``): each block the chunk's byte ranges touch is hashed
 once, the chunk's own bytes as read plus the rest of the block read from the file.
-A chunk encoded with Zarr's ``crc32c`` codec is also checked against the checksum it
-carries (which alone needs no manifest: it catches random corruption, not a swap).
+A chunk encoded with Zarr's ``crc32c`` codec needs no manifest: that codec checks the
+checksum it carries on every read, verify or not (``gpulazy.codecs``; it catches random
+corruption, not a swap).
 ``from_files(verify=True)`` also checks, before anything is read, what decided where
 the chunks' bytes are and how they decode: the blocks of each file holding bytes no
 chunk reads (a shard's index, TIFF IFDs, HDF5 chunk tables), so a rewritten index cannot
@@ -34,8 +35,7 @@ file that holds many). A mismatch raises ``ChunkReadError`` naming the chunk (if
 the file and the offset.
 
 On a GPU the hash runs on the host: the chunk's stored bytes are copied down, then
-hashed. The Zarr ``crc32c`` codec is checked where
-the bytes are, by CuPy kernels (``gpulazy.codecs._crc32c_gpu``).
+hashed.
 
 >>> import numpy as np, os, tempfile, gpulazy
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "a.raw")
@@ -53,7 +53,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -396,7 +396,7 @@ def verify_chunk(buf: Any, spec: ChunkSpec) -> None:
     """Check ``buf`` (the chunk's stored bytes as read, 1-D uint8, host or device) against checksums.
 
     The one check every verified read runs: the manifest's block hashes for every
-    listed file the chunk reads, and Zarr's crc32c codec where the chunk carries it.
+    listed file the chunk reads (a crc32c-coded chunk's own checksum is its codec's to check).
     Raises ``ChunkReadError`` naming the chunk, the file and the offset on a mismatch,
     ``LayoutError`` when nothing is known to check against.
     """
@@ -409,8 +409,7 @@ def verify_chunk(buf: Any, spec: ChunkSpec) -> None:
                                   "gpulazy index --checksum")
     if any(e is not None for e in entries.values()):
         _verify_blocks(_on_host(buf), spec, entries)
-    if step is not None:
-        _verify_carried(buf, spec, step)
+    # A crc32c-coded chunk (``step``) is checked by its codec on every read, verify or not.
 
 
 def _verify_blocks(host: np.ndarray, spec: ChunkSpec, entries: dict[str, _Entry | None]) -> None:
@@ -479,25 +478,6 @@ def _run(jobs: list, nbytes: int) -> None:
         raise first
 
 
-def _verify_carried(buf: Any, spec: ChunkSpec, step: int) -> None:
-    """Zarr's crc32c codec: each stored piece checked against the CRC32C it carries."""
-    if step > 0:  # steps to decode before the checksum: on the host
-        _verify_codec(_on_host(buf)[: spec.nbytes], spec, step)
-        return
-    checks = _codec_checks(buf, spec)
-    if not isinstance(buf, np.ndarray) and _gpu_kernel_ok(buf):
-        from gpulazy.codecs._crc32c_gpu import segment_crcs
-
-        starts, lengths = (np.array([getattr(c, f) for c in checks]) for f in ("start", "length"))
-        crcs = segment_crcs(buf, starts, lengths, np.zeros(len(checks), np.uint32))
-    else:
-        host = _on_host(buf)
-        crcs = [crc32c(host[c.start: c.start + c.length]) for c in checks]
-    for check, crc in zip(checks, crcs):
-        if int(crc) != check.expected:
-            raise _mismatch(spec, check.path, check.offset, check.length, _carried(int(crc), check.expected))
-
-
 def _on_host(buf: Any) -> np.ndarray:
     if isinstance(buf, np.ndarray):
         return buf.reshape(-1).view(np.uint8)
@@ -509,39 +489,6 @@ def _on_host(buf: Any) -> np.ndarray:
     return host
 
 
-def _gpu_kernel_ok(buf: Any) -> bool:
-    from gpulazy.codecs._crc32c_gpu import usable
-
-    return usable(int(buf.device.id))
-
-
-class _Check(NamedTuple):
-    """``length`` bytes of the buffer from ``start`` must have the CRC32C ``expected``."""
-
-    start: int
-    length: int
-    expected: int
-    path: str
-    offset: int
-
-
-def _codec_checks(buf: Any, spec: ChunkSpec) -> list[_Check]:
-    """Zarr's crc32c as the first decode step: each stored piece's last 4 bytes are its CRC32C."""
-    segments = spec.tile_segments() if spec.tiles else [(None, 0, spec.nbytes)]
-    ranges = [tile.range if tile is not None else spec.ranges[0] for tile, _, _ in segments]
-    for r, (_, _, n) in zip(ranges, segments):
-        if n < 4:
-            raise _too_short(spec, r, n)
-    flat = buf.reshape(-1).view("uint8")
-    index = [start + n - 4 + i for _, start, n in segments for i in range(4)]
-    stored = _on_host(flat[index]) if index else np.zeros(0, np.uint8)  # one small copy from a GPU
-    checks = []
-    for k, (r, (_, start, n)) in enumerate(zip(ranges, segments)):
-        want = int(stored[4 * k: 4 * k + 4].view("<u4")[0])
-        checks.append(_Check(start, n - 4, want, r.path, r.offset))
-    return checks
-
-
 def _pread(path: str, offset: int, nbytes: int) -> bytes:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
@@ -551,45 +498,6 @@ def _pread(path: str, offset: int, nbytes: int) -> bytes:
     if len(data) != nbytes:
         raise ChunkReadError(f"short read of {path!r} at offset {offset} while verifying: expected {nbytes} bytes, "
                              f"got {len(data)}", path=path, offset=offset, expected=nbytes, got=len(data))
-    return data
-
-
-def _verify_codec(host: np.ndarray, spec: ChunkSpec, step: int) -> None:
-    """Each stored piece's embedded crc32c (the 4 little-endian bytes Zarr appends), after the
-    decode steps that come before it."""
-    segments = spec.tile_segments() if spec.tiles else [(None, 0, spec.nbytes)]
-    for tile, start, n in segments:
-        r = tile.range if tile is not None else spec.ranges[0]
-        data = _decode_steps(host[start: start + n], spec.codec[:step], r, spec)
-        if data.size < 4:
-            raise _too_short(spec, r, data.size)
-        stored = int(data[-4:].view("<u4")[0])
-        crc = crc32c(data[:-4])
-        if crc != stored:
-            raise _mismatch(spec, r.path, r.offset, r.nbytes, _carried(crc, stored))
-
-
-def _carried(crc: int, stored: int) -> str:
-    return f"CRC32C 0x{crc:08x} of the stored chunk differs from the 0x{stored:08x} it carries (Zarr crc32c codec)"
-
-
-def _too_short(spec: ChunkSpec, r: ByteRange, n: int) -> ChunkReadError:
-    return _mismatch(spec, r.path, r.offset, r.nbytes, f"a crc32c-encoded piece of {n} bytes cannot hold its "
-                     "4-byte checksum")
-
-
-def _decode_steps(data: np.ndarray, steps: Sequence[Any], r: ByteRange, spec: ChunkSpec) -> np.ndarray:
-    # Steps before crc32c in decode order (rare: Zarr appends the checksum last when
-    # encoding, so it is usually checked first): decoded here once more, on the host.
-    if not steps:
-        return data
-    from gpulazy.codecs import host
-
-    try:
-        for c in steps:
-            data = host._as_bytes(host._build(c).decode(data))
-    except Exception as e:
-        raise _mismatch(spec, r.path, r.offset, r.nbytes, f"cannot decode it up to its crc32c step: {e}") from e
     return data
 
 

@@ -15,7 +15,7 @@ CRC32C (Castagnoli, reflected 0x82F63B78, inverted in and out) is linear in the 
 which makes the fold exact; ``fold_on_host`` runs the same algorithm in NumPy so the
 tests check the arithmetic without a GPU. Before first use in a process, ``usable()``
 checks the kernels against google-crc32c on random data; if they disagree or do not
-compile, verification hashes on the host instead (``gpulazy.checksums``), with a warning.
+compile, the crc32c codec checks on the host instead, with a warning.
 This is hand-written because no installed library computes CRC32C on a GPU.
 """
 
@@ -183,5 +183,5 @@ def usable(device_index: int) -> bool:
     except Exception as e:  # no compiler, no device...
         reason = f"{type(e).__name__}: {e}"
     warnings.warn(f"gpulazy: the CRC32C GPU kernel is not usable on cuda:{device_index} ({reason}); "
-                  "verify=True hashes on the host instead (a device-to-host copy per chunk)", RuntimeWarning)
+                  "Zarr's crc32c codec is checked on the host instead (a device-to-host copy per batch)", RuntimeWarning)
     return False

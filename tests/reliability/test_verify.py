@@ -175,9 +175,10 @@ def test_zarr_crc32c_codec_is_checked(tmp_path, steps):
     _flip_on_disk(path, 4 + spec.nbytes - 1)  # the last stored byte (checksum or compressed data)
     bad = ChunkSpec(spec.ranges, spec.shape, spec.dtype, codec=spec.codec, identity=(file_identity(path),),
                     index=spec.index, tiles=spec.tiles)
-    with pytest.raises(ChunkReadError) as info:
+    with pytest.raises(ChunkReadError) as info:  # the codec's own check (a ChunkDecodeError), verify or not
         verified.read(bad)
-    assert info.value.path == path and info.value.offset == 4 and "chunk (0, 0)" in str(info.value)
+    assert info.value.path == path and info.value.offset == 4
+    assert "crc32c" in str(info.value) or "zstd" in str(info.value)  # the checksum, or the frame it guards
 
 
 @pytest.mark.gpu
@@ -244,5 +245,5 @@ def test_zarr_crc32c_codec_is_checked_on_the_gpu(tmp_path):
     _flip_on_disk(path, 4 + 10)
     bad = ChunkSpec(spec.ranges, spec.shape, spec.dtype, codec=spec.codec, identity=(file_identity(path),),
                     index=spec.index, tiles=spec.tiles)
-    with pytest.raises(ChunkReadError, match="it carries"):
+    with pytest.raises(ChunkReadError, match="crc32c checksum does not match"):
         verified.read(bad)

@@ -12,7 +12,7 @@ from dask._task_spec import DataNode, Task, TaskRef
 from dask.highlevelgraph import MaterializedLayer
 
 from gpulazy import config
-from gpulazy._batchread import ReadWindow
+from gpulazy.read.window import ReadWindow
 from gpulazy._tasks import pick, read_batch
 
 __all__ = ["ReadLayer"]
@@ -69,7 +69,7 @@ class ReadLayer(MaterializedLayer):
     ``dask.distributed`` requires of a key that is still alive (``_batch_name``).
     The batch tasks of one compute share a ``ReadWindow``: each batch is submitted whole,
     and each task starts the batches likely to run next, up to config ``read_ahead`` bytes
-    (``gpulazy._batchread``). A batch task returns as soon as its batch is submitted;
+    (``gpulazy.read.window``). A batch task returns as soon as its batch is submitted;
     each ``pick`` waits for its own chunk.
     ``batch_size=0`` keeps a read task per chunk, as does an active ``gpulazy.prefetch``
     (it overlaps reads with compute chunk by chunk). (A layer dask merges into another,

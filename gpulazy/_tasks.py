@@ -56,24 +56,25 @@ class ChunkSource:
         return self.cache.resolve()
 
     def read(self, spec: ChunkSpec) -> Any:
-        """Read ``spec`` from its files, bypassing any cache (``gpulazy.integrity.checked_read``;
-        staged: see config ``staging``)."""
-        from gpulazy.integrity import checked_read
+        """Read ``spec`` from its files through the engine, bypassing any cache (files' identities
+        checked around the read, stored bytes verified with ``verify``; staged: see config ``staging``)."""
+        from gpulazy.read import read
 
-        return checked_read(spec, self.backend_instance(), verify=self.verify,
-                            staged=config.get("staging") != "never")
+        return read([spec], self.backend_instance(), verify=self.verify,
+                    staged=config.get("staging") != "never")[0]
 
     def start(self, specs: list[ChunkSpec]) -> list[Any]:
-        """Start reading ``specs`` now, from this thread, bypassing any cache (for read-ahead).
+        """Start reading ``specs`` now, from this thread, in one engine submission, bypassing any
+        cache (for read-ahead).
 
-        Returns pending reads (``gpulazy.integrity.checked_start``): ``done()`` never
-        blocks, ``result()`` waits and returns the chunk's array, checked as ``read``
-        checks it.
+        Returns one pending read per chunk (``gpulazy.read.PendingChunk``): ``done()`` never
+        blocks, ``result()`` waits and returns the chunk's array, checked as ``read`` checks it.
         """
-        from gpulazy.integrity import checked_start
+        from gpulazy.read import start
 
-        return checked_start(list(specs), self.backend_instance(), staged=config.get("staging") != "never",
-                             verify=self.verify)
+        reads = start(list(specs), self.backend_instance(), verify=self.verify,
+                      staged=config.get("staging") != "never")
+        return [reads.pending(i) for i in range(len(reads))]
 
     def load_many(self, specs: tuple[ChunkSpec, ...]) -> list[Any]:
         """Several chunks' arrays: cached ones from the cache, the others read in one batch.
@@ -95,11 +96,11 @@ class ChunkSource:
     def start_many(self, specs: tuple[ChunkSpec, ...]) -> Any:
         """``load_many`` in two halves: the reads start now, ``.result()`` waits for them.
 
-        Returns a ``gpulazy._batchread.PendingBatch``; see there.
+        Returns a ``gpulazy.read.cached.CachedBatch``; see there.
         """
-        from gpulazy._batchread import PendingBatch
+        from gpulazy.read.cached import CachedBatch
 
-        return PendingBatch.start(self, specs)
+        return CachedBatch.start(self, specs)
 
     def load(self, spec: ChunkSpec) -> Any:
         """The chunk's array, through the cache when there is one."""
@@ -131,9 +132,9 @@ def load_chunk(spec: ChunkSpec, source: ChunkSource) -> Any:
 def read_batch(specs: tuple[ChunkSpec, ...], source: ChunkSource, window: Any = None, j: int = 0) -> Any:
     """The dask task that reads several chunks in one submission (see ``gpulazy._readlayer``).
 
-    ``window``: the compute's ``gpulazy._batchread.ReadWindow``, which may have started
+    ``window``: the compute's ``gpulazy.read.window.ReadWindow``, which may have started
     this batch (``j``) already and starts the next ones. With it, returns at once the
-    batch in flight (a ``PendingBatch``), and each ``pick`` task waits for its own
+    batch in flight (a ``CachedBatch``), and each ``pick`` task waits for its own
     chunk only. ``None`` (a ``dask.distributed`` worker: a batch in flight cannot travel
     to another worker) reads this batch alone and returns its arrays in order, each
     complete on every stream (``ChunkSource.load_many``).

@@ -20,19 +20,15 @@ import math
 import os
 import sys
 import time
-from collections import deque
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
-from gpulazy import config
-from gpulazy.device import Device, get_device, own_stream
+from gpulazy.device import Device, get_device
 from gpulazy.errors import DeviceError, LayoutError
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
 
 __all__ = ["from_files", "multiscale", "read_file", "read_files", "GpulazyArray", "ChunkSource", "load_chunk",
-           "read_batch", "read_whole"]
+           "read_batch", "pick", "read_whole"]
 
 # The task functions live below the graph code (``gpulazy._tasks``): the read layer and the
 # prefetch planner recognise read tasks by them without importing this module.
@@ -424,151 +420,14 @@ def _distributed_client_active() -> bool:
     return True
 
 
-# -- the fast whole-array read --------------------------------------------------------------
+# -- the fast whole-array read: the engine's (``gpulazy.read.whole``) -------------------------
 
 def read_whole(specs: dict, source: ChunkSource, chunks: tuple, dtype: Any, order: str = "C", *,
                hooks: Any = None, name: str = "") -> Any:
-    """Every chunk of ``specs`` read into one preallocated array with dask ``chunks``.
+    """Every chunk of ``specs`` read into one preallocated array; see ``gpulazy.read.whole.read_whole``."""
+    from gpulazy.read.whole import read_whole as whole
 
-    ``hooks`` (a ``gpulazy._hooks.FastPathHooks``) hears of each chunk task ``(name, *index)``
-    as its read is submitted and as it lands.
-
-    Cache hits are copied from the cache (``cache.read_into``); misses are read straight
-    into their slice of the result (not inserted in the cache) when that slice is
-    contiguous in the chunk's element order, else into a small temporary and copied.
-    Chunks of stored pieces (compressed, tiled) are decoded in batches of about 256 MiB
-    of stored bytes straight into their slices, the next batch's reads in flight while
-    one decodes. Other reads are all submitted before any is waited on. The first error is
-    raised after every submitted read has settled, so nothing writes into a dropped buffer.
-    """
-    from gpulazy.integrity import as_read_error, check_all_unchanged
-    from gpulazy.io import decode, submit_chunk
-
-    dev = get_device(source.device)
-    backend = source.backend_instance()
-    cache = source.cache_instance()
-    shape = tuple(sum(c) for c in chunks)
-    edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
-    from gpulazy.memory import retry_on_oom
-
-    with dev.activate():
-        out = retry_on_oom(lambda: dev.alloc(shape, dtype, order), device=dev,
-                           nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
-    pending: deque = deque()
-    temp_limit = max(2 * int(config.get("chunk_size")), 256 << 20)
-    temp_bytes = 0
-    errors: list[BaseException] = []
-    batches = _AssembledBatches(dev, errors)
-
-    def settle(entry) -> int:
-        future, buf, spec, target, view = entry
-        try:
-            future.result()  # verified there, with ``source.verify`` (``submit_chunk``)
-            if not errors:
-                arr = decode(buf, spec, dev)  # byte swaps in place when needed
-                if target is not None:
-                    with own_stream(dev):
-                        target[...] = arr
-                if hooks:
-                    hooks.posttask((name, *spec.index), view)
-        except BaseException as e:  # kept; raised once every read has settled
-            errors.append(as_read_error(e, spec))
-        return spec.nbytes if target is not None else 0
-
-    check_all_unchanged(specs.values())  # nothing cached or read from a file changed since indexing
-
-    with dev.activate():
-        for spec in specs.values():
-            # (the Ellipsis keeps a 0-d result a view, not a scalar copy)
-            view = out[tuple(slice(edges[a][i], edges[a][i + 1]) for a, i in enumerate(spec.index)) + (Ellipsis,)]
-            if hooks:
-                hooks.pretask((name, *spec.index))
-            if view.size == 0 or (cache is not None and cache.read_into(spec, view)):
-                if hooks:
-                    hooks.posttask((name, *spec.index), view)
-                continue
-            flat = None if spec.is_assembled else _byte_view(view, spec.order)
-            try:
-                future, buf = submit_chunk(spec, backend, flat, source.verify)
-            except BaseException as e:
-                errors.append(e)
-                break
-            if spec.is_assembled:  # decoded a batch at a time, many chunks' pieces per codec call
-                batches.add(future, buf, spec, view)
-                continue
-            if flat is not None:
-                pending.append((future, buf, spec, None, view))
-                continue
-            pending.append((future, buf, spec, view, view))
-            temp_bytes += spec.nbytes
-            while temp_bytes > temp_limit and pending:  # bound the temporaries in flight
-                temp_bytes -= settle(pending.popleft())
-        batches.finish()
-        while pending:
-            settle(pending.popleft())
-        if errors:
-            raise errors[0]
-        check_all_unchanged(specs.values())  # written to during the reads: bytes may be mixed
-        dev.synchronize()
-    return out
-
-
-class _AssembledBatches:
-    """Stored-piece chunks of ``read_whole`` decoded in batches of about ``BATCH`` stored bytes.
-
-    Batch n is decoded only once the reads of batch n+1 are submitted, so reading and
-    decoding overlap; at most two batches of stored bytes are held at a time.
-    """
-
-    BATCH = 256 << 20
-
-    def __init__(self, dev: Device, errors: list[BaseException]):
-        self.dev, self.errors = dev, errors
-        self.filling: list[tuple] = []
-        self.filling_bytes = 0
-        self.waiting: list[tuple] = []  # the previous batch: read, not yet decoded
-
-    def add(self, future: Any, buf: Any, spec: ChunkSpec, view: Any) -> None:
-        self.filling.append((future, buf, spec, view))
-        self.filling_bytes += spec.nbytes
-        if self.filling_bytes >= self.BATCH:
-            self._decode(self.waiting)
-            self.waiting, self.filling, self.filling_bytes = self.filling, [], 0
-
-    def finish(self) -> None:
-        self._decode(self.waiting)
-        self._decode(self.filling)
-        self.waiting, self.filling = [], []
-
-    def _decode(self, batch: list[tuple]) -> None:
-        from gpulazy.codecs import assemble_batch
-
-        for future, _, _, _ in batch:  # every read settles before anything is raised
-            try:
-                future.result()
-            except BaseException as e:
-                self.errors.append(e)
-        if self.errors or not batch:
-            return
-        outs = [v if v.dtype == s.out_dtype and v.shape == tuple(s.shape) else None for _, _, s, v in batch]
-        try:
-            arrays = assemble_batch([b for _, b, _, _ in batch], [s for _, _, s, _ in batch], self.dev, outs)
-            for (_, _, _, view), arr, given in zip(batch, arrays, outs):
-                if given is None:
-                    view[...] = arr
-        except BaseException as e:
-            self.errors.append(e)
-
-
-def _byte_view(view: Any, order: str) -> Any:
-    """A 1-D uint8 view of ``view``'s memory in the chunk's element order, or None."""
-    if order == "F":
-        if not view.flags.f_contiguous:
-            return None
-        view = view.T
-    elif not view.flags.c_contiguous:
-        return None
-    return view.reshape(-1).view(np.uint8)
+    return whole(specs, source, chunks, dtype, order, hooks=hooks, name=name)
 
 
 # -- read_file / read_files -----------------------------------------------------------------
@@ -620,10 +479,11 @@ def read_file(path: Any, *, dtype: Any = "uint8", shape: Any = None, offset: int
     dev = get_device(device)
     spec = _whole_file_spec(_one_file(path), dtype, shape, offset)
     from gpulazy.io import get_backend
+    from gpulazy.read.whole import read_all
 
     be = get_backend(_check_backend(backend), dev)
     started = time.perf_counter()
-    (arr,) = _read_all([spec], be, dev, verify)
+    (arr,) = read_all([spec], be, verify)
     return (arr, time.perf_counter() - started) if timed else arr
 
 
@@ -649,10 +509,11 @@ def read_files(paths: Any, *, dtype: Any = "uint8", shape: Any = None, offset: i
     dev = get_device(device)
     specs = [_whole_file_spec(p, dtype, shape, offset) for p in resolve_paths(paths)]
     from gpulazy.io import get_backend
+    from gpulazy.read.whole import read_all
 
     be = get_backend(_check_backend(backend), dev)
     started = time.perf_counter()
-    arrays = _read_all(specs, be, dev, verify)
+    arrays = read_all(specs, be, verify)
     return (arrays, time.perf_counter() - started) if timed else arrays
 
 
@@ -681,33 +542,3 @@ def _whole_file_spec(path: str, dtype: Any, shape: Any, offset: int) -> ChunkSpe
     if offset + nbytes != size:
         raise _size_error(path, size, offset + nbytes, shp, dt, offset, 1)
     return ChunkSpec((ByteRange(path, offset, nbytes),), shp, dt.str, "C", None, (ident,), ())
-
-
-def _read_all(specs: list[ChunkSpec], backend: Any, dev: Device, verify: bool = False) -> list[Any]:
-    from gpulazy.checksums import require_checksums
-    from gpulazy.integrity import as_read_error, check_all_unchanged
-    from gpulazy.io import decode, submit_chunk
-
-    if verify:
-        require_checksums(specs)
-    submitted, errors = [], []
-    with dev.activate():
-        for spec in specs:
-            try:
-                submitted.append((spec, *submit_chunk(spec, backend, None, verify)))
-            except BaseException as e:
-                errors.append(e)
-                break
-        arrays = []
-        for spec, future, buf in submitted:  # every read settles before an error is raised
-            try:
-                future.result()  # verified there (``submit_chunk(verify=...)``)
-                if not errors:
-                    arrays.append(decode(buf, spec, dev))
-            except BaseException as e:
-                errors.append(as_read_error(e, spec))
-        if errors:
-            raise errors[0]
-        check_all_unchanged(specs)  # written to during the reads: bytes may be mixed
-        dev.synchronize()
-    return arrays

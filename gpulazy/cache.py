@@ -760,6 +760,7 @@ class DeviceCache:
             else:
                 with own_stream(self.device):  # other threads' streams read this entry: wait for the copy
                     stored = array.copy(order="K")
+                _count_copy()
         except MemoryError:  # CuPy's OutOfMemoryError too: the caller still gets its array
             with self._lock:
                 self._reserved -= nbytes
@@ -856,6 +857,13 @@ class DeviceCache:
             self._jobs.pop(spec.key, None)
             if stored is not None:
                 self._counts["prefetched"] += 1
+
+
+def _count_copy() -> None:
+    """A chunk copied into the cache after its read (``gpulazy.stats()["buffers"]["copies"]``)."""
+    from gpulazy.stats import default_stats
+
+    default_stats().record_buffer("copies")
 
 
 def _prefetch_worker(ref: weakref.ref, wake: threading.Condition, device: Device) -> None:

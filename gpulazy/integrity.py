@@ -3,14 +3,13 @@
 A ``ChunkSpec`` carries the ``FileIdentity`` (path, size, mtime, inode, ctime) of each
 file it depends on, taken when the files were indexed: the files it reads, the files whose
 absence made a piece its fill value (a Zarr chunk never written: it must still be absent)
-and metadata files that describe its bytes. ``checked_read`` stats those files
+and metadata files that describe its bytes. The read engine stats those files
 before a read (a cached or prefetched chunk of a file that changed since is never
 served, and a file replaced by a FIFO is never opened) and again after it (a file
 written during the read may have given mixed bytes), and raises ``ChunkReadError``
 naming the file, offset and byte count when anything differs. It also turns an ``OSError``
 a backend let through (``EIO`` from a failing disk) into a ``ChunkReadError`` that says
-where, and, with ``verify=True``, checks each chunk's stored bytes against their
-checksums (``gpulazy.checksums``) before they are decoded.
+where. The read engine (``gpulazy.read``) runs these checks around every read.
 
 A stat costs about a microsecond; a read does two per file of the chunk, a cache hit one.
 
@@ -32,8 +31,7 @@ from typing import Any, Iterable
 from gpulazy.errors import ChunkReadError
 from gpulazy.spec import ChunkSpec, FileIdentity
 
-__all__ = ["check_unchanged", "check_all_unchanged", "check_absent_unlisted", "as_read_error", "checked_read",
-           "checked_start"]
+__all__ = ["check_unchanged", "check_all_unchanged", "check_absent_unlisted", "as_read_error"]
 
 def check_unchanged(spec: ChunkSpec) -> None:
     """Raise ``ChunkReadError`` if a file of ``spec`` is gone, differs from its indexed identity,
@@ -120,55 +118,3 @@ def as_read_error(error: BaseException, spec: ChunkSpec) -> BaseException:
     err.errno = getattr(error, "errno", None)
     err.__cause__ = error
     return err
-
-
-def checked_read(spec: ChunkSpec, backend: Any, *, verify: bool = False, check_before: bool = True,
-                 staged: bool | None = None) -> Any:
-    """Read and decode ``spec`` through ``backend``: identity checked around the read,
-    stored bytes verified before decoding when ``verify``; raises ``ChunkReadError``.
-
-    ``staged``: as in ``gpulazy.io.start_chunks``."""
-    from gpulazy.io import start_chunks
-
-    if check_before:
-        check_unchanged(spec)
-    # The checks after the read are ``CheckedPending``'s, shared with read-ahead; the
-    # verification is the read's own (``start_chunks(verify=...)``), as on every path.
-    return CheckedPending(start_chunks([spec], backend, staged=staged, verify=verify)[0]).result()
-
-
-class CheckedPending:
-    """A ``PendingChunk`` whose ``result()`` applies ``checked_read``'s checks after the read."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self, pending: Any):
-        self.pending = pending
-
-    @property
-    def spec(self) -> ChunkSpec:
-        return self.pending.spec
-
-    def done(self) -> bool:
-        return self.pending.done()
-
-    def result(self) -> Any:
-        spec = self.pending.spec
-        try:
-            arr = self.pending.result()
-        except OSError as e:
-            raise as_read_error(e, spec) from e
-        check_unchanged(spec)  # written to during the read: the bytes may be half old, half new
-        return arr
-
-
-def checked_start(specs: list[ChunkSpec], backend: Any, *, staged: bool | None = None,
-                  verify: bool = False) -> list[CheckedPending]:
-    """Start reading ``specs`` now (``gpulazy.io.start_chunks``), checked as ``checked_read`` checks.
-
-    The files are stat'ed before the reads are submitted and again by each ``result()``.
-    """
-    from gpulazy.io import start_chunks
-
-    check_all_unchanged(specs)
-    return [CheckedPending(p) for p in start_chunks(specs, backend, staged=staged, verify=verify)]

@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+#: What ``Stats.record_buffer`` counts (``snapshot()["buffers"]``).
+BUFFER_KINDS = ("outputs", "staging", "copies")
+
 __all__ = ["Stats", "ReadEvent", "stats", "default_stats", "record_fills"]
 
 
@@ -81,6 +84,7 @@ class Stats:
             self._oom: dict[str, int] = {}
             self._decodes: dict[tuple[str, str], _DecodeTotals] = {}
             self._filled = 0
+            self._buffers = dict.fromkeys(BUFFER_KINDS, 0)
             self._last: ReadEvent | None = None  # kept after the window forgets it: the dashboard's "backend"
             self._started = time.monotonic()
 
@@ -108,6 +112,13 @@ class Stats:
         """Count ``count`` stored chunks read as their fill value, never having been written."""
         with self._lock:
             self._filled += int(count)
+
+    def record_buffer(self, kind: str, count: int = 1) -> None:
+        """Count ``count`` buffers the read engine made for chunks: ``"outputs"`` (a chunk's
+        array), ``"staging"`` (stored bytes read before decoding) or ``"copies"`` (a chunk or
+        piece copied after its read)."""
+        with self._lock:
+            self._buffers[kind] += int(count)
 
     def record_error(self) -> None:
         with self._lock:
@@ -155,6 +166,7 @@ class Stats:
             oom = dict(self._oom)
             decodes = {k: v.as_dict() for k, v in self._decodes.items()}
             filled = self._filled
+            buffers = dict(self._buffers)
         return {
             "oom_recoveries": oom,
             "bytes_read": sum(b["bytes"] for b in by_backend.values()),
@@ -162,6 +174,7 @@ class Stats:
             "read_seconds": sum(b["seconds"] for b in by_backend.values()),
             "errors": errors,
             "chunks_filled": filled,
+            "buffers": buffers,
             "by_backend": by_backend,
             "throughput": self.throughput(),
             "last_backend": last.backend if last else None,

@@ -197,19 +197,19 @@ def test_registered_prefetch_keeps_a_read_task_per_chunk(tmp_path):
 # -- the read window: batches started in order, ahead of their tasks ---------------------------
 
 def _spy_starts(monkeypatch, claims=None):
-    """Record the first chunk index of every batch ``PendingBatch.start`` submits, and the window's bytes
+    """Record the first chunk index of every batch ``CachedBatch.start`` submits, and the window's bytes
     (and in ``claims`` the batches in the order their tasks claimed them)."""
-    from gpulazy import _batchread
+    from gpulazy.read import cached, window
 
     started, inflight = [], []
-    real = _batchread.PendingBatch.start.__func__
+    real = cached.CachedBatch.start.__func__
 
     def start(cls, source, specs):
         started.append(specs[0].index[0])
         return real(cls, source, specs)
 
-    monkeypatch.setattr(_batchread.PendingBatch, "start", classmethod(start))
-    top_up, claim = _batchread.ReadWindow._top_up, _batchread.ReadWindow.claim
+    monkeypatch.setattr(cached.CachedBatch, "start", classmethod(start))
+    top_up, claim = window.ReadWindow._top_up, window.ReadWindow.claim
 
     def spy_top_up(self, upcoming):
         top_up(self, upcoming)
@@ -220,8 +220,8 @@ def _spy_starts(monkeypatch, claims=None):
             claims.append(self.batches[j][0].index[0])
         return claim(self, j)
 
-    monkeypatch.setattr(_batchread.ReadWindow, "_top_up", spy_top_up)
-    monkeypatch.setattr(_batchread.ReadWindow, "claim", spy_claim)
+    monkeypatch.setattr(window.ReadWindow, "_top_up", spy_top_up)
+    monkeypatch.setattr(window.ReadWindow, "claim", spy_claim)
     return started, inflight
 
 
@@ -239,7 +239,7 @@ def test_every_batch_is_started_once_within_read_ahead(tmp_path, monkeypatch, ah
 
 
 def _window_over(tmp_path, n, per_batch, ahead_batches):
-    from gpulazy._batchread import ReadWindow
+    from gpulazy.read.window import ReadWindow
 
     paths, data = _planes(tmp_path, n=n)
     vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
@@ -313,7 +313,7 @@ def test_read_ahead_zero_reads_each_batch_in_its_task(tmp_path, monkeypatch):
 def test_a_pickled_window_reads_its_own_batch(tmp_path):
     import pickle
 
-    from gpulazy._batchread import ReadWindow
+    from gpulazy.read.window import ReadWindow
 
     paths, data = _planes(tmp_path, n=4)
     vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)

@@ -23,7 +23,8 @@ from gpulazy.codecs import _pipeline, _run, decoded_on, decode_pieces
 from gpulazy.codecs.gpu import step_sizes
 from gpulazy.device import get_device
 from gpulazy.errors import ChunkDecodeError, PerformanceWarning
-from gpulazy.io import get_backend, read_chunk
+from gpulazy.io import get_backend
+from gpulazy.read import read as engine_read
 from gpulazy.spec import ByteRange, ChunkSpec, Codec, Tile
 
 try:
@@ -119,7 +120,7 @@ def tiled_spec(path, data, tile_shape, codec, *, dtype=None, missing=(), order="
 
 def read(spec: ChunkSpec, device: str) -> np.ndarray:
     dev = get_device(device)
-    return to_host(read_chunk(spec, get_backend(None, dev)))
+    return to_host(engine_read([spec], get_backend(None, dev))[0])
 
 
 # -- every codec id the layouts use, on each device ---------------------------------------
@@ -247,19 +248,21 @@ def chunked_specs(path: str, data: np.ndarray, chunk: int, codec) -> tuple[dict,
 
 def test_read_whole_decodes_in_batches_overlapping_reads(tmp_path, monkeypatch):
     import gpulazy.codecs
-    import gpulazy.io
-    from gpulazy.array import ChunkSource, _AssembledBatches, read_whole
+    import gpulazy.read.engine
+    import gpulazy.read.whole
+    from gpulazy.array import ChunkSource, read_whole
 
     data = sample((40, 50), "<u2")
     # crc32c: every chunk stores the same number of bytes, so batches hold 3 chunks exactly
     specs, chunks = chunked_specs(str(tmp_path / "a.bin"), data, 4, (Codec("crc32c"),))
     events = []
-    submit, batch = gpulazy.io.submit_chunk, gpulazy.codecs.assemble_batch
-    monkeypatch.setattr(gpulazy.io, "submit_chunk", lambda spec, *a: events.append(("read", spec.index)) or
-                        submit(spec, *a))
-    monkeypatch.setattr(gpulazy.codecs, "assemble_batch", lambda bufs, specs, *a: events.append(
+    submit, batch = gpulazy.read.engine.start, gpulazy.read.decode.assemble_batch
+    monkeypatch.setattr(gpulazy.read.engine, "start", lambda specs, *a, **k: events.extend(
+        ("read", s.index) for s in specs) or submit(specs, *a, **k))
+    monkeypatch.setattr(gpulazy.read.decode, "assemble_batch", lambda bufs, specs, *a: events.append(
         ("decode", [s.index for s in specs])) or batch(bufs, specs, *a))
-    monkeypatch.setattr(_AssembledBatches, "BATCH", 3 * specs[(0, 0)].nbytes)  # 3 chunks a batch
+    monkeypatch.setattr(gpulazy.read.whole, "GROUP", 3 * specs[(0, 0)].nbytes)  # 3 chunks a submission
+    monkeypatch.setattr(gpulazy.read.whole, "STAGED", 6 * specs[(0, 0)].nbytes)  # 2 submissions in flight
     out = read_whole(specs, ChunkSource("cpu", None, False), chunks, data.dtype)
     np.testing.assert_array_equal(out, data)
     decodes = [e[1] for e in events if e[0] == "decode"]
@@ -376,7 +379,7 @@ def test_gpu_decode_off_decodes_on_the_host_without_warning(tmp_path):
     spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 40), codec)
     with gpulazy.config.set(gpu_decode=False), warnings.catch_warnings():
         warnings.simplefilter("error", PerformanceWarning)
-        out = read_chunk(spec, get_backend(None, "cuda:0"))
+        out = engine_read([spec], get_backend(None, "cuda:0"))[0]
         assert decoded_on(codec, get_device("cuda:0")) == "host"
     np.testing.assert_array_equal(out.get(), data)
     assert set(gpulazy.stats().snapshot()["decode_by_place"]) == {"host"}

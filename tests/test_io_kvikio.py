@@ -113,14 +113,15 @@ def test_cpu_reads_never_import_kvikio_or_cupy(tmp_path):
         import sys
         import numpy as np
         import gpulazy
-        from gpulazy.io import get_backend, read_chunk, select_backend
+        from gpulazy.io import get_backend, select_backend
+        from gpulazy.read import read
         from gpulazy.device import Device, gpu_count
         from gpulazy.spec import ByteRange, ChunkSpec
         backend = get_backend(None, "cpu")
         assert backend.name == "posix", backend
         assert select_backend(Device("cpu"))[0] == "posix"
         spec = ChunkSpec((ByteRange({path!r}, 0, 8192),), (64, 64), "<u2")
-        arr = read_chunk(spec, backend)
+        arr = read([spec], backend)[0]
         assert isinstance(arr, np.ndarray) and int(arr[63, 63]) == 4095
         leaked = [m for m in ("kvikio", "cupy") if m in sys.modules]
         print("LEAKED", leaked)

@@ -310,7 +310,7 @@ def test_callbacks_argument_and_concurrent_computations(tmp_path, cache):
 
 @pytest.mark.parametrize("scheduler", ["threads", "sync"])
 def test_a_prefetch_callback_orders_the_read_window(tmp_path, cache, scheduler, monkeypatch):
-    from gpulazy._batchread import ReadWindow
+    from gpulazy.read.window import ReadWindow
 
     vol, data = make_volume(tmp_path, n=64, cache=cache)
     claims = []

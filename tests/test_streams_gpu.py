@@ -121,12 +121,13 @@ def test_derived_compute_and_device_synchronize_leave_streams_alone(planes):
 
 def test_staged_and_direct_kvikio_reads_equal_the_file(planes):
     cp = pytest.importorskip("cupy")
-    from gpulazy.io import get_backend, read_chunks
+    from gpulazy.io import get_backend
+    from gpulazy.read import read
 
     paths, data = planes
     vol = gpulazy.from_files(paths, shape=(256, 512), dtype=">u2", chunks=(2, 256, 512), device="cuda:0", cache=False)
     specs = list(vol.chunk_index.specs.values())
     be = get_backend("kvikio", "cuda:0")
     for staged in (True, False):
-        got = read_chunks(specs, be, staged=staged)
+        got = read(specs, be, staged=staged)
         assert np.array_equal(cp.asnumpy(cp.concatenate(got)), data), staged

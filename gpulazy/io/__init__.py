@@ -13,7 +13,6 @@ from gpulazy._plugins import entry_point_table, load_plugin, plugin_names
 from gpulazy.device import Device, get_device
 from gpulazy.errors import BackendUnavailableError
 from gpulazy.io._base import Backend, ReadFuture
-from gpulazy.io._read import PendingChunk, decode, finish_chunks, read_chunk, read_chunks, start_chunks, submit_chunk
 
 __all__ = [
     "Backend",
@@ -23,13 +22,6 @@ __all__ = [
     "backend_class",
     "select_backend",
     "get_backend",
-    "read_chunk",
-    "read_chunks",
-    "start_chunks",
-    "finish_chunks",
-    "PendingChunk",
-    "submit_chunk",
-    "decode",
 ]
 
 _BUILTIN = {

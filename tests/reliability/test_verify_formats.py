@@ -297,7 +297,8 @@ def test_a_verified_read_checks_its_bytes_once_whichever_threads_ask(tmp_path, m
     from concurrent.futures import ThreadPoolExecutor
 
     from gpulazy import checksums
-    from gpulazy.io import get_backend, start_chunks
+    from gpulazy.io import get_backend
+    from gpulazy.read import start
 
     p = tmp_path / "a.raw"
     np.arange(4096, dtype="<u2").tofile(p)
@@ -306,8 +307,8 @@ def test_a_verified_read_checks_its_bytes_once_whichever_threads_ask(tmp_path, m
     calls = []
     real = checksums.verify_chunk
     monkeypatch.setattr(checksums, "verify_chunk", lambda buf, s: calls.append(s) or real(buf, s))
-    (pending,) = start_chunks([spec], get_backend("posix", "cpu"), verify=True)
+    reads = start([spec], get_backend("posix", "cpu"), verify=True)
     with ThreadPoolExecutor(8) as pool:
-        assert set(pool.map(lambda _: pending.future.result(), range(32))) == {spec.nbytes}
-    np.testing.assert_array_equal(pending.result(), np.arange(4096, dtype="<u2"))
+        assert set(pool.map(lambda _: reads.futures[0].result(), range(32))) == {spec.nbytes}
+    np.testing.assert_array_equal(reads.chunk(0), np.arange(4096, dtype="<u2"))
     assert len(calls) == 1

@@ -1,0 +1,88 @@
+"""A batch of chunks read through a ``DeviceCache``: hits served now, misses read by the engine.
+
+``CachedBatch.start`` copies out what the cache holds, leaves to the cache what one of its
+prefetches is reading already (in-flight reads are never read twice), and starts one engine
+submission for the rest, from the calling thread. ``result()`` waits for all of them;
+``chunk(i)`` for one, so each ``pick`` task of a windowed batch waits for its own read only.
+Chunks read here are offered to the cache as they are handed out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpulazy import config
+from gpulazy.spec import ChunkSpec
+
+__all__ = ["CachedBatch"]
+
+
+class CachedBatch:
+    """Chunks of one batch: served from the cache or in flight; ``result()`` gives their arrays."""
+
+    __slots__ = ("source", "specs", "arrays", "held", "slot", "reads")
+
+    def __init__(self, source: Any, specs: tuple[ChunkSpec, ...]):
+        self.source, self.specs = source, specs
+        self.arrays: list[Any] = [None] * len(specs)
+        self.held: list[int] = []       # chunks a prefetch of the cache is reading
+        self.slot: dict[int, int] = {}  # chunk -> its place in ``reads``
+        self.reads: Any = None          # the engine's ``Reads`` of the others
+
+    @classmethod
+    def start(cls, source: Any, specs: tuple[ChunkSpec, ...]) -> CachedBatch:
+        """Serve the cached chunks of ``specs`` and submit reads for the rest, from this thread."""
+        from gpulazy.integrity import check_all_unchanged
+
+        self = cls(source, specs)
+        check_all_unchanged(specs)  # a cached chunk of a file changed since indexing is never served
+        cache = source.cache_instance()
+        if cache is not None:
+            self.arrays = cache.get_cached(specs)
+        todo = []
+        for i, spec in enumerate(specs):
+            if self.arrays[i] is None:
+                if cache is not None and cache.holds(spec):
+                    self.held.append(i)
+                else:
+                    self.slot[i] = len(todo)
+                    todo.append(spec)
+        if todo:
+            self.reads = _start_retrying(todo, source)
+        return self
+
+    def result(self) -> list[Any]:
+        """The arrays, in order, each complete on every stream; raises the first read's error."""
+        if self.reads is not None:
+            self.reads.settle()  # every read settles before any error is raised
+        return [self.chunk(i) for i in range(len(self.specs))]
+
+    def chunk(self, i: int) -> Any:
+        """Chunk ``i``'s array as soon as its own read is in; the rest of the batch may still be reading.
+
+        Safe from several threads at once (for different chunks, or the same one twice).
+        """
+        arr = self.arrays[i]
+        if arr is not None:
+            return arr
+        source, spec = self.source, self.specs[i]
+        cache = source.cache_instance()
+        k = self.slot.get(i)
+        if k is None:  # held: a prefetch of the cache is reading it
+            return cache.get(spec, source.read)
+        read = self.reads.chunk(k)
+        return read if cache is None else cache.get(spec, lambda s, a=read: a)
+
+
+def _start_retrying(specs: list[ChunkSpec], source: Any) -> Any:
+    """The engine's reads of ``specs``, retried once after making room if memory runs out."""
+    from gpulazy.device import get_device
+    from gpulazy.memory import retry_on_oom
+    from gpulazy.read.engine import start
+
+    first = specs[0]
+    what = (f"reading {len(specs)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
+            else "reading chunks")
+    return retry_on_oom(lambda: start(specs, source.backend_instance(), verify=source.verify,
+                                      staged=config.get("staging") != "never", check=False),
+                        device=get_device(source.device), nbytes=sum(s.out_nbytes for s in specs), what=what)

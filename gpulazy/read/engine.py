@@ -1,0 +1,259 @@
+"""The read engine: chunk specs in, chunks out, each written once into its destination.
+
+``start(specs, backend, outs)`` is the only place in gpulazy that starts, waits for and
+settles reads. It
+
+- **allocates** what the caller did not give: a chunk read as it is stored lands in the
+  array handed out (``Device.alloc``, the consumer's pool); a chunk made of stored pieces
+  (compressed, tiled) reads its stored bytes into one buffer and decodes into its array;
+- **executes** one backend submission for the whole batch (``Backend.submit_many``),
+  ``verify=True`` checking stored bytes as they land (``gpulazy.checksums.VerifiedRead``);
+- **decodes** the batch's stored-piece chunks in one codec call per codec
+  (``gpulazy.codecs.assemble_batch``: nvCOMP sees every piece at once), straight into
+  their destinations;
+- **hands out** on gpulazy's own stream, waited for before a chunk is returned, so a
+  chunk is complete on every stream (docs/streams.md);
+- checks the files' identities before the reads and after each one
+  (``gpulazy.integrity``), and settles every read before raising the first error, so
+  nothing ever writes into a buffer that was dropped.
+
+It counts what it allocates and copies (``gpulazy.stats()["buffers"]``): a chunk read as
+stored is one allocation (its array; none when the caller gives the destination) and no
+copy, unless the caller's destination is not contiguous in the chunk's element order; a
+chunk of stored pieces also takes a buffer for its stored bytes (``staging``) and one
+copy per piece into place.
+
+>>> import numpy as np, os, tempfile
+>>> from gpulazy.io import get_backend
+>>> from gpulazy.spec import ByteRange, ChunkSpec
+>>> p = os.path.join(tempfile.mkdtemp(), "a.raw"); np.arange(8, dtype=">u2").tofile(p)
+>>> specs = [ChunkSpec((ByteRange(p, 8 * i, 8),), (4,), ">u2") for i in range(2)]
+>>> [a.tolist() for a in start(specs, get_backend("posix", "cpu"), check=False).result()]
+[[0, 1, 2, 3], [4, 5, 6, 7]]
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpulazy.device import Device, own_stream
+from gpulazy.integrity import as_read_error, check_all_unchanged, check_unchanged
+from gpulazy.io import Backend, ReadFuture
+from gpulazy.spec import ChunkSpec
+
+__all__ = ["Reads", "start", "read", "byte_view"]
+
+_PENDING = object()
+
+
+def start(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | None = None, *,
+          verify: bool = False, staged: bool | None = None, check: bool = True) -> Reads:
+    """Start reading ``specs`` in one submission from this thread; returns at once.
+
+    Parameters
+    ----------
+    specs
+        The chunks.
+    backend
+        The I/O backend (its device is where the chunks land).
+    outs
+        ``outs[i]``: where chunk ``i`` goes (an array of its shape and native dtype on the
+        device, e.g. its slice of a result or a cache slot), or ``None`` to allocate one.
+    verify
+        Check each chunk's stored bytes against their checksums as they land.
+    staged
+        As in ``Backend.submit_many``.
+    check
+        Stat the files first (a file changed since indexing raises before anything is read).
+
+    Out of memory raises ``MemoryError``: the consumer, who knows what it can give back,
+    retries (``gpulazy.memory.retry_on_oom``).
+    """
+    specs = list(specs)
+    if check:
+        check_all_unchanged(specs)
+    return Reads(specs, backend, outs, verify, staged)
+
+
+def read(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | None = None, *,
+         verify: bool = False, staged: bool | None = None, check: bool = True) -> list[Any]:
+    """``start(...).result()``: the chunks, in order, each complete on every stream."""
+    return start(specs, backend, outs, verify=verify, staged=staged, check=check).result()
+
+
+class Reads:
+    """Chunks whose reads are in flight, each with its destination.
+
+    ``chunk(i)`` waits for chunk ``i`` only (a chunk of stored pieces: for every
+    stored-piece chunk of the batch, which decode together) and returns it; ``result()``
+    returns them all, raising the first error once every read has settled; ``done(i)``
+    never blocks. Safe from several threads at once. A ``Reads`` dropped unfinished waits
+    for its reads (the backend's batch does) before its buffers go.
+    """
+
+    __slots__ = ("specs", "device", "dests", "bufs", "inplace", "futures", "outcomes", "_lock", "__weakref__")
+
+    def __init__(self, specs: list[ChunkSpec], backend: Backend, outs: Sequence[Any] | None, verify: bool,
+                 staged: bool | None):
+        dev = backend.device
+        n = len(specs)
+        self.specs, self.device = specs, dev
+        self.dests: list[Any] = [None] * n
+        self.bufs: list[Any] = [None] * n
+        self.inplace = [False] * n
+        self.outcomes: list[Any] = [_PENDING] * n
+        self._lock = threading.RLock()
+        jobs, slots = [], []
+        with dev.activate():
+            for i, spec in enumerate(specs):
+                self.dests[i], self.bufs[i], self.inplace[i] = _targets(spec, None if outs is None else outs[i], dev)
+                if spec.nbytes:
+                    jobs.append((spec.ranges, self.bufs[i]))
+                    slots.append(i)
+            submitted = backend.submit_many(jobs, staged=staged) if jobs else []
+        self.futures: list[Any] = [ReadFuture.completed(0)] * n
+        for i, future in zip(slots, submitted):
+            self.futures[i] = _verified(future, self.bufs[i], specs[i]) if verify else future
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def done(self, i: int) -> bool:
+        """Whether chunk ``i``'s bytes are in (never blocks)."""
+        return self.outcomes[i] is not _PENDING or self.futures[i].done()
+
+    def pending(self, i: int) -> PendingChunk:
+        """Chunk ``i`` as an object of its own (``done()``, ``result()``, ``spec``)."""
+        return PendingChunk(self, i)
+
+    def chunk(self, i: int) -> Any:
+        """Chunk ``i``, complete on every stream; raises its read's (or decode's) error."""
+        outcome = self.outcomes[i]
+        if outcome is _PENDING:
+            with self._lock:
+                if self.outcomes[i] is _PENDING:
+                    self._finish([j for j in range(len(self.specs)) if self.specs[j].is_assembled
+                                  and self.outcomes[j] is _PENDING] if self.specs[i].is_assembled else [i])
+                outcome = self.outcomes[i]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def result(self) -> list[Any]:
+        """Every chunk, in order; the first error is raised once every read has settled."""
+        self.settle()
+        return [self.chunk(i) for i in range(len(self.specs))]
+
+    def settle(self) -> None:
+        """Wait for every read and finish every chunk (errors kept for ``chunk``)."""
+        with self._lock:
+            todo = [i for i in range(len(self.specs)) if self.outcomes[i] is _PENDING]
+            self._finish(todo)
+
+    # -- finishing ---------------------------------------------------------------------------
+
+    def _finish(self, idx: list[int]) -> None:
+        # Lock held. Wait for the reads of ``idx``, then decode and place them on gpulazy's stream.
+        from gpulazy.read.decode import assemble_into, place_plain
+
+        for i in idx:
+            try:
+                self.futures[i].result()
+            except BaseException as e:
+                self.outcomes[i] = as_read_error(e, self.specs[i])
+        ok = [i for i in idx if self.outcomes[i] is _PENDING]
+        plain = [i for i in ok if not self.specs[i].is_assembled]
+        pieces = [i for i in ok if self.specs[i].is_assembled]
+        dev = self.device
+        with dev.activate(), own_stream(dev):  # waited for on leaving: valid on every stream
+            for i in plain:
+                try:
+                    self.outcomes[i] = place_plain(self.bufs[i], self.dests[i], self.specs[i], dev, self.inplace[i])
+                except BaseException as e:
+                    self.outcomes[i] = e
+            if pieces:
+                try:
+                    arrays = assemble_into([self.bufs[i] for i in pieces], [self.specs[i] for i in pieces],
+                                           [self.dests[i] for i in pieces], dev)
+                except BaseException as e:  # one chunk alone (several: each gets its own outcome)
+                    arrays = [e] * len(pieces)
+                for i, arr in zip(pieces, arrays):
+                    self.outcomes[i] = arr
+        for i in ok:
+            self.bufs[i] = None  # the stored bytes are not needed once decoded
+            if not isinstance(self.outcomes[i], BaseException):
+                try:
+                    check_unchanged(self.specs[i])  # written to during the read: bytes may be mixed
+                except BaseException as e:
+                    self.outcomes[i] = e
+
+
+class PendingChunk:
+    """One chunk of a ``Reads``: ``done()`` never blocks, ``result()`` waits and returns it."""
+
+    __slots__ = ("reads", "i")
+
+    def __init__(self, reads: Reads, i: int):
+        self.reads, self.i = reads, i
+
+    @property
+    def spec(self) -> ChunkSpec:
+        return self.reads.specs[self.i]
+
+    def done(self) -> bool:
+        return self.reads.done(self.i)
+
+    def result(self) -> Any:
+        return self.reads.chunk(self.i)
+
+
+def _verified(future: Any, buf: Any, spec: ChunkSpec) -> Any:
+    from gpulazy.checksums import VerifiedRead
+
+    return VerifiedRead(future, buf, spec)
+
+
+def _targets(spec: ChunkSpec, out: Any, dev: Device) -> tuple[Any, Any, bool]:
+    """``(destination, buffer the bytes land in, whether that buffer is the destination's
+    memory)`` for one chunk; allocates what is missing.
+
+    A chunk read as it is stored lands straight in its destination when the destination's
+    memory is contiguous in the chunk's element order (a given slice of a result, a new
+    array); otherwise in a buffer of its own, copied into the destination after. Stored
+    pieces always land in a buffer of their own: they decode into the destination.
+    """
+    from gpulazy.read.decode import count
+
+    if out is not None and (tuple(out.shape) != tuple(spec.shape) or np.dtype(out.dtype) != spec.out_dtype):
+        raise ValueError(f"the destination of chunk {spec.index} is {tuple(out.shape)} {out.dtype}, "
+                         f"but the chunk is {tuple(spec.shape)} {spec.out_dtype}")
+    if spec.is_assembled:
+        return out, _buffer(spec.nbytes, dev), False
+    if out is None and spec.nbytes == spec.out_nbytes:
+        out = dev.alloc(spec.shape, spec.out_dtype, "F" if spec.order == "F" else "C")
+        count("outputs")
+    flat = byte_view(out, spec.order) if out is not None else None
+    if flat is not None and flat.nbytes == spec.nbytes:
+        return out, flat, True
+    return out, _buffer(spec.nbytes, dev), False
+
+
+def _buffer(nbytes: int, dev: Device) -> Any:
+    from gpulazy.read.decode import count
+
+    count("staging")
+    return dev.empty(nbytes)
+
+
+def byte_view(view: Any, order: str) -> Any:
+    """A 1-D uint8 view of ``view``'s memory in the chunk's element order, or ``None``."""
+    if order == "F":
+        if not view.flags.f_contiguous:
+            return None
+        view = view.T
+    elif not view.flags.c_contiguous:
+        return None
+    return view.reshape(-1).view(np.uint8)

@@ -1,0 +1,185 @@
+"""The read engine (``gpulazy.read``): destinations written once, buffers counted, errors settled.
+
+The counting tests are the issue-20 contract "counted, not guessed": on a miss, a chunk read
+as stored is one allocation (its array) and no copy; a chunk of stored pieces adds one buffer
+for its stored bytes and one copy per piece into place; a cache that keeps the chunk adds one
+copy (into its own slot). Counted by the code that allocates and copies
+(``gpulazy.stats()["buffers"]``), cross-checked here against the calls to ``Device.alloc``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import gpulazy
+from gpulazy.device import Device
+from gpulazy.errors import ChunkDecodeError, ChunkReadError
+from gpulazy.io import get_backend
+from gpulazy.read import read, start
+from gpulazy.spec import ByteRange, ChunkSpec
+
+
+def _buffers() -> dict:
+    return dict(gpulazy.stats().snapshot()["buffers"])
+
+
+def _delta(before: dict) -> dict:
+    after = _buffers()
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture
+def allocs(monkeypatch):
+    """Calls to ``Device.alloc`` (every chunk-sized array gpulazy makes goes through it)."""
+    calls = []
+    real = Device.alloc
+
+    def spy(self, shape, dtype, order="C"):
+        calls.append(tuple(shape))
+        return real(self, shape, dtype, order)
+
+    monkeypatch.setattr(Device, "alloc", spy)
+    return calls
+
+
+def _raw(tmp_path, shape=(8, 16, 16), dtype="<u2"):
+    data = np.random.default_rng(0).integers(0, 60000, shape).astype(dtype)
+    p = str(tmp_path / "v.raw")
+    data.tofile(p)
+    return p, data
+
+
+# -- counting: one allocation, at most one copy after the read ----------------------------------
+
+@pytest.mark.parametrize("dtype", ["<u2", ">u2"])
+def test_a_dask_path_miss_is_one_allocation_and_no_copy(tmp_path, allocs, dtype):
+    p, data = _raw(tmp_path, dtype=dtype)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype=dtype, chunks=(2, 16, 16), device="cpu", cache=False)
+    before = _buffers()
+    got = vol.map_blocks(lambda b: b + 0).compute(scheduler="sync")
+    np.testing.assert_array_equal(got, data)
+    n = vol.numblocks[0]
+    assert _delta(before) == {"outputs": n, "staging": 0, "copies": 0}
+    assert allocs.count((2, 16, 16)) == n  # one array per chunk, and no other chunk-sized one
+
+
+def test_a_miss_through_a_cache_adds_one_copy_into_the_cache(tmp_path, allocs):
+    p, data = _raw(tmp_path)
+    cache = gpulazy.DeviceCache("1 MiB", device="cpu")
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=cache)
+    before = _buffers()
+    np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 0).compute(scheduler="sync"), data)
+    n = vol.numblocks[0]
+    assert _delta(before) == {"outputs": n, "staging": 0, "copies": n}
+    before = _buffers()
+    np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 0).compute(scheduler="sync"), data)
+    assert _delta(before) == {"outputs": 0, "staging": 0, "copies": 0}  # all hits: nothing read
+    assert cache.stats()["hits"] == n
+    cache.close()
+
+
+def test_the_whole_array_path_reads_every_chunk_into_its_slice(tmp_path, allocs):
+    p, data = _raw(tmp_path)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=False)
+    before = _buffers()
+    np.testing.assert_array_equal(vol.compute(), data)
+    assert vol.compute_path == "fast"
+    assert _delta(before) == {"outputs": 0, "staging": 0, "copies": 0}
+    assert allocs == [data.shape]  # the result, once
+
+
+def test_a_compressed_miss_stages_its_stored_bytes_and_places_each_piece_once(tmp_path, allocs):
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    data = np.random.default_rng(1).integers(0, 999, (8, 16, 16)).astype("<u2")
+    p = str(tmp_path / "v.zarr")
+    z = zarr.create_array(p, shape=data.shape, chunks=(2, 16, 16), dtype=data.dtype, compressors=ZstdCodec(level=1))
+    z[...] = data
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))  # a dask chunk per stored one
+    before = _buffers()
+    np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 0).compute(scheduler="sync"), data)
+    n = vol.numblocks[0]
+    assert _delta(before) == {"outputs": n, "staging": n, "copies": n}
+    assert allocs.count((2, 16, 16)) == n
+
+
+# -- destinations ------------------------------------------------------------------------------
+
+@given(order=st.sampled_from("CF"), swap=st.booleans(), strided=st.booleans())
+@settings(max_examples=20, deadline=None)
+def test_a_chunk_lands_in_the_destination_it_is_given(tmp_path_factory, order, swap, strided):
+    d = tmp_path_factory.mktemp("dest")
+    dt = np.dtype(">u2" if swap else "<u2")
+    data = np.arange(6 * 5, dtype=dt).reshape(6, 5)
+    p = str(d / "a.raw")
+    (data.T if order == "F" else data).tofile(p)  # F: the file holds the columns one after another
+    spec = ChunkSpec((ByteRange(p, 0, data.nbytes),), (6, 5), dt.str, order)
+    big = np.full((12, 10) if strided else (6, 5), 7, dtype=dt.newbyteorder("="))
+    out = big[::2, ::2] if strided else big
+    before = _buffers()
+    (got,) = read([spec], get_backend("posix", "cpu"), [out], check=False)
+    assert got is out
+    np.testing.assert_array_equal(out, data)
+    in_place = not strided and (order == "C")  # an F chunk's bytes are not a C destination's memory
+    assert _delta(before)["copies"] == (0 if in_place else 1)
+    if strided:
+        assert (big[1::2] == 7).all()  # nothing written outside the destination
+
+
+def test_a_destination_of_the_wrong_shape_is_refused(tmp_path):
+    p, data = _raw(tmp_path)
+    spec = ChunkSpec((ByteRange(p, 0, 512),), (16, 16), "<u2")
+    with pytest.raises(ValueError, match=r"\(16, 16\)"):
+        start([spec], get_backend("posix", "cpu"), [np.empty((16, 15), "<u2")], check=False)
+
+
+# -- errors: each chunk its own, every read settled ------------------------------------------
+
+def test_a_corrupt_chunk_fails_alone_in_its_batch(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    data = np.random.default_rng(2).integers(0, 999, (6, 16, 16)).astype("<u2")
+    p = str(tmp_path / "v.zarr")
+    z = zarr.create_array(p, shape=data.shape, chunks=(2, 16, 16), dtype=data.dtype, compressors=ZstdCodec(level=1))
+    z[...] = data
+    with open(f"{p}/c/1/0/0", "r+b") as f:  # garble the frame's header, keep its size
+        f.write(b"\xff" * 8)
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))
+    specs = list(vol.chunk_index.specs.values())
+    bad = specs[1].ranges[0]
+    reads = start(specs, get_backend("posix", "cpu"), check=False)
+    np.testing.assert_array_equal(reads.chunk(0), data[0:2])
+    with pytest.raises(ChunkDecodeError) as e:
+        reads.chunk(1)
+    assert bad.path in str(e.value)
+    np.testing.assert_array_equal(reads.chunk(2), data[4:6])
+    with pytest.raises(ChunkDecodeError):
+        reads.result()
+
+
+def test_a_short_file_raises_with_its_path_after_every_read_settled(tmp_path):
+    p, data = _raw(tmp_path)
+    specs = [ChunkSpec((ByteRange(p, 512 * i, 512),), (16, 16), "<u2", index=(i,)) for i in range(8)]
+    specs.append(ChunkSpec((ByteRange(p, 4096, 512),), (16, 16), "<u2", index=(8,)))  # past the end
+    reads = start(specs, get_backend("posix", "cpu"), check=False)
+    with pytest.raises(ChunkReadError) as e:
+        reads.result()
+    assert p in str(e.value)
+    assert all(reads.done(i) for i in range(len(specs)))
+    np.testing.assert_array_equal(reads.chunk(3), data[3].reshape(16, 16))
+
+
+def test_a_file_changed_after_indexing_is_never_read(tmp_path):
+    p, data = _raw(tmp_path)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    np.zeros(data.shape, "<u2").tofile(p + ".new")
+    import os
+
+    os.replace(p + ".new", p)
+    with pytest.raises(ChunkReadError, match="changed since it was indexed"):
+        start(specs, get_backend("posix", "cpu"))

@@ -293,10 +293,11 @@ class Budget:
 # -- timing -----------------------------------------------------------------------------------------
 
 def _sync(x: Any) -> Any:
+    """``x`` once all its work is done: the whole device, since gpulazy works on streams of its own."""
     if type(x).__module__.startswith("cupy"):
         import cupy
 
-        cupy.cuda.get_current_stream().synchronize()
+        cupy.cuda.Device().synchronize()
     return x
 
 
@@ -385,7 +386,15 @@ def read_raw(path: str, g: Geometry, device: str, start: int = 0, count: int | N
             count, g.side, g.side)
     import cupy
     import kvikio
+    import kvikio.defaults
 
+    import gpulazy
+
+    # KvikIO's pool is process-wide and starts at one thread; gpulazy's backend sets it to its
+    # ``threads`` when made. The reference gets the same threads, also when it runs first.
+    threads = gpulazy.config.get("threads")
+    if int(kvikio.defaults.get("num_threads")) != threads:
+        kvikio.defaults.set({"num_threads": threads})
     buf = cupy.empty(count * g.plane, dtype=cupy.uint8)
     with kvikio.CuFile(path, "r") as f:
         f.pread(buf, buf.nbytes, file_offset=start * g.plane, task_size=4 << 20).get()

@@ -132,3 +132,31 @@ def test_unknown_names_are_refused(bench):
         bench.main(TINY + ["--only", "raw,zarr-4d"])
     with pytest.raises(SystemExit, match="unknown op median"):
         bench.main(TINY + ["--ops", "mip,median"])
+
+
+def test_gpu_session_formats_mode(tmp_path):
+    """gpu_session.sh's FORMATS mode passes its budget, formats and folder through (CPU-sized here)."""
+    import os
+    import subprocess
+
+    root = BENCH.parents[1]
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    shim = bindir / "python3"  # the script calls python3 (a symlink would lose the virtual environment)
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(root),
+           "OUT": str(tmp_path / "out"), "FORMATS": "1", "FORMATS_BUDGET": "120", "FORMATS_SIZE": "64KiB",
+           "FORMATS_ONLY": "raw,zarr-zstd-3d", "FORMATS_DIR": str(tmp_path / "data"),
+           "FORMATS_ARGS": "--device cpu --side 64 --repeat 1 --no-refs"}
+    for step in ("TESTS", "NOTEBOOKS", "BENCH", "OVERLAP", "PREFETCH"):
+        env[f"SKIP_{step}"] = "1"
+    r = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh")], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "out" / "formats.json").read_text())
+    assert [row["format"] for row in data["rows"]] == ["raw", "zarr-zstd-3d"]
+    assert data["ops"] == ["mip", "slice", "astype_sum", "mean"] and data["side"] == 64
+    assert all(r["correct"] for row in data["rows"] for r in row["ops"].values())
+    assert "budget 120 s" in (tmp_path / "out" / "formats.log").read_text()
+    assert (tmp_path / "data" / "gpulazy-bench-formats").is_dir()

@@ -367,7 +367,8 @@ def check_whole(out: Any, g: Geometry) -> bool:
 def check_op(op: str, out: Any, g: Geometry) -> bool:
     """``out`` equals the operation on the generated volume (sums of integers below 2**53 are exact in f8)."""
     if op == "mip":
-        return bool(np.array_equal(_host(out), np.maximum.reduce([plane(z, g.side) for z in range(min(g.n, _DISTINCT))])))
+        want = np.maximum.reduce([plane(z, g.side) for z in range(min(g.n, _DISTINCT))])
+        return bool(np.array_equal(_host(out), want))
     if op == "slice":
         return tuple(out.shape) == (g.half, g.side, g.side) and _planes_equal(out, 1, g)
     sums = [int(plane(z, g.side).sum(dtype=np.int64)) for z in range(_DISTINCT)]

@@ -317,8 +317,8 @@ def _cell(value: float | None, width: int) -> str:
 
 def table(result: dict[str, Any]) -> str:
     p = result["paths"]
-    lines = [f"bench_overlap: {p['device']}, {p['planes']} planes x {p['plane_bytes'] / 2**20:.1f} MiB "
-             f"({p['total_bytes'] / 2**30:.2f} GiB), warm page cache, GB/s (best of {result['repeat']})",
+    lines = [(f"bench_overlap: {p['device']}, {p['planes']} planes x {p['plane_bytes'] / 2**20:.1f} MiB "
+              f"({p['total_bytes'] / 2**30:.2f} GiB), warm page cache, GB/s (best of {result['repeat']})"),
              "x whole: over the whole compute() of the same files; x raw: over raw KvikIO + the same op",
              f"{'path':<46}{'gpulazy':>9}{'raw':>9}{'naive':>9}{'x whole':>9}{'x raw':>7}  notes"]
     columns = ("gpulazy", "raw", "naive", "x_whole", "x_raw", "correct")

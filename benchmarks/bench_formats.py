@@ -437,13 +437,17 @@ def measure_raw_refs(path: str, g: Geometry, device: str, ops: list[str], repeat
         if budget.spent(f"{raw_reference_name(device)} {op}"):
             out[op] = {"skipped": "budget spent"}
             continue
-        seconds, res = timed(raw_op(op, path, g, device), repeat)
+        try:
+            seconds, res = timed(raw_op(op, path, g, device), repeat)
+        except Exception as e:  # reported; the formats' rows still run
+            out[op] = {"error": _error(e)}
+            continue
         out[op] = {"gbps": op_bytes(op, g) / seconds / 1e9, "correct": check_op(op, res, g)}
         del res
         _free_device_pool(device)
     print(f"{raw_reference_name(device)}: " + ", ".join(
-        f"{op} {r['gbps']:.2f} GB/s" + ("" if r["correct"] else " VALUES DIFFER")
-        for op, r in out.items() if "gbps" in r), flush=True)
+        f"{op} {r['gbps']:.2f} GB/s" + ("" if r["correct"] else " VALUES DIFFER") if "gbps" in r
+        else f"{op} {r.get('error', r.get('skipped'))}" for op, r in out.items()), flush=True)
     return out
 
 
@@ -551,15 +555,24 @@ def measure_format(fmt: str, run: Run) -> dict[str, Any]:
         reason = f"{e.name or e} is not installed"
         print(f"{fmt:18s} skipped: {reason}", flush=True)
         return {"format": fmt, "skipped": reason}
+    except OSError as e:  # a full disk, say: the formats after this one may still fit
+        print(f"{fmt:18s} writing failed: {_error(e)}", flush=True)
+        run.store.release(fmt, g)
+        return {"format": fmt, "error": f"writing: {_error(e)}"}
     stored = _stored_bytes(path)
     row: dict[str, Any] = {"format": fmt, "bytes": g.nbytes, "stored_bytes": stored,
                            "compression_ratio": g.nbytes / stored, "write_seconds": write_seconds, "reused": reused}
     try:
-        vol = _open(fmt, path, run)
-        row["layout"] = vol.chunk_index.layout if vol.chunk_index is not None else "?"
-        row["chunks"] = [list(c[:1]) + [len(c)] for c in vol.chunks]  # first chunk and count per axis
-        vol[:min(8, g.n)].compute()  # start-up: backend, kernels, decoders
-        seconds, out = timed(vol.compute, run.repeat)
+        try:
+            vol = _open(fmt, path, run)
+            row["layout"] = vol.chunk_index.layout if vol.chunk_index is not None else "?"
+            row["chunks"] = [list(c[:1]) + [len(c)] for c in vol.chunks]  # first chunk and count per axis
+            vol[:min(8, g.n)].compute()  # start-up: backend, kernels, decoders
+            seconds, out = timed(vol.compute, run.repeat)
+        except Exception as e:  # one format failing is reported and the run goes on to the next
+            row["error"] = _error(e)
+            print(f"{fmt:18s} compute() failed: {row['error']}", flush=True)
+            return row
         row["gpulazy_gbps"] = g.nbytes / seconds / 1e9
         row["correct"] = check_whole(out, g)
         del out
@@ -580,8 +593,12 @@ def _measure_op(fmt: str, op: str, vol: Any, whole_gbps: float, run: Run) -> dic
     label, fn = OPS[op]
     if run.budget.spent(f"{fmt} {op}"):
         return {"skipped": "budget spent"}
-    fn(vol[:min(8, run.g.n)], run.g).compute()  # start-up: the op's kernels, on a few planes
-    seconds, out = timed(lambda: fn(vol, run.g).compute(), run.repeat)
+    try:
+        fn(vol[:min(8, run.g.n)], run.g).compute()  # start-up: the op's kernels, on a few planes
+        seconds, out = timed(lambda: fn(vol, run.g).compute(), run.repeat)
+    except Exception as e:  # reported beside the row; the other rows still run
+        print(f"    {op:10s} {label:20s} failed: {_error(e)}", flush=True)
+        return {"error": _error(e)}
     r: dict[str, Any] = {"gbps": op_bytes(op, run.g) / seconds / 1e9, "correct": check_op(op, out, run.g)}
     del out
     _free_device_pool(run.device)
@@ -612,10 +629,14 @@ def _measure_refs(fmt: str, path: str, gbps: float, run: Run) -> dict[str, Any]:
                 rate = planes * run.g.plane / s / 1e9
                 out[name] = {"gbps": rate, "ratio": gbps / rate, "planes": planes}
             except Exception as e:  # a reference way that fails here is reported, not fatal
-                out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                out[name] = {"error": _error(e)}
             _free_device_pool(run.device)
         _print_ref(name, out[name])
     return out
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
 
 
 def _stored_bytes(path: str) -> int:

@@ -124,6 +124,21 @@ def test_budget_skips_and_names_the_rows_left(bench, tmp_path, capsys):
         capsys.readouterr().out
 
 
+def test_a_failing_row_is_reported_and_the_run_goes_on(bench, tmp_path, monkeypatch, capsys):
+    def broken(a, g):
+        raise ValueError("no mean today")
+
+    monkeypatch.setitem(bench.OPS, "mean", ("mean()", broken))
+    out = tmp_path / "formats.json"
+    assert bench.main(TINY + ["--only", "raw,zarr-3d", "--ops", "mean,mip", "--no-refs", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["raw_refs"]["mean"] == {"error": "ValueError: no mean today"} and data["raw_refs"]["mip"]["correct"]
+    assert [r["ops"]["mean"] for r in rows] == [{"error": "ValueError: no mean today"}] * 2
+    assert all(r["ops"]["mip"]["correct"] for r in rows)
+    assert "mean       mean()               failed: ValueError: no mean today" in capsys.readouterr().out
+
+
 def test_unknown_names_are_refused(bench):
     with pytest.raises(SystemExit, match="unknown format zarr-4d; choose from raw, tiff"):
         bench.main(TINY + ["--only", "raw,zarr-4d"])

@@ -1,26 +1,39 @@
-"""Formats straight to the device (issue 8): each format beside its reference reader, one run.
+"""Formats straight to the device (issues 8, 20, 21): each format beside its reference readers, one run.
 
-    python benchmarks/bench_formats.py [--size 4GiB] [--device cuda:0] [--only tiff,zarr,...] [--json PATH]
+    python benchmarks/bench_formats.py [--size 4GiB] [--device cuda:0] [--only tiff,zarr-3d,...]
+        [--derived | --ops mip,slice,astype_sum,mean] [--budget-s 400] [--dir /nvme] [--json PATH]
 
-For each format the same realistic volume (a smooth uint16 field plus noise) is written,
-then read whole onto the device, warm page cache, best of ``--repeat``:
+For each format the same realistic volume (a smooth uint16 field plus noise, planes of
+``--side`` x ``--side``) is written, then read whole onto the device, warm page cache, best
+of ``--repeat``:
 
 | row | gpulazy | reference way(s), same data |
 | --- | --- | --- |
-| raw | ``from_files(raw).compute()`` — the rate the others are held to | KvikIO ``CuFile.pread`` |
-| tiff | a stack of single-page TIFFs | ``tifffile.imread`` → ``cp.asarray``; ``dask_image.imread`` → ``cp.asarray`` when installed |
-| zarr | Zarr v3, uncompressed | zarr-python ``enable_gpu()`` + ``da.from_zarr``; TensorStore → ``cp.asarray`` |
-| zarr-zstd | Zarr v3, zstd level 1 | same three |
-| zarr-zstd-sharded | Zarr v3, zstd level 1, sharded | same three |
+| raw | ``from_files(raw).compute()`` — the rate the others are held to | KvikIO ``CuFile.pread`` (CPU: ``np.fromfile``) |
+| tiff | a folder of single-page TIFFs | ``tifffile.imread`` → ``cp.asarray``; ``dask_image.imread`` → ``cp.asarray`` |
+| zarr | Zarr v3, uncompressed, chunks (8, 512, 512) | zarr-python ``[:]``; ``enable_gpu()`` + ``da.from_zarr``; TensorStore |
+| zarr-zstd | Zarr v3, zstd level 1, chunks (8, 512, 512) | same three |
+| zarr-zstd-sharded | Zarr v3, zstd level 1, chunks (8, 512, 512) in shards (32, side, side) | same three |
+| zarr-3d | Zarr v3, uncompressed, 3D chunks (64, 256, 256) | same three |
+| zarr-zstd-3d | Zarr v3, zstd level 1, 3D chunks (64, 256, 256) | same three |
 | hdf5 | HDF5 chunked, uncompressed | ``h5py`` → ``cp.asarray`` |
 | hdf5-gzip | HDF5 chunked, gzip level 1 | ``h5py`` → ``cp.asarray`` |
-| zarr2-blosc | Zarr v2, blosc lz4 level 5 + byte shuffle (Zarr v2's default) | zarr-python, ``enable_gpu`` + ``da.from_zarr``, TensorStore |
+| zarr2-blosc | Zarr v2, blosc lz4 level 5 + byte shuffle (Zarr v2's default) | zarr-python, ``enable_gpu``, TensorStore |
 | hdf5-bitshuffle | HDF5 chunked, bitshuffle + LZ4 (filter 32008, Dectris detectors) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
 
-Slow reference ways (below ~1 GB/s) read only the first ``--ref-limit`` bytes and are
-reported as a rate. Prints GB/s of decoded output, gpulazy's ratio to each reference and
-to the raw rate, and the compression ratio. On ``--device cpu`` the references are the
-host ones.
+Derived rows (``--ops``, or ``--derived`` for all four): ``max(axis=0)`` (MIP), the slice
+``[1:half+1]`` off chunk boundaries, ``astype("f8").sum()`` and ``mean()``, each as GB/s of
+source bytes, as a ratio to the same format's whole ``compute()`` in the same run (issue 20:
+≥ 0.9 for raw, tiff, zarr-3d and zarr-zstd-3d) and beside "raw KvikIO + the same op" (the
+raw file read whole with KvikIO into one buffer, then the same CuPy operation). Every result
+is checked against the generated volume.
+
+Slow reference ways read only the first ``--ref-limit`` bytes and are reported as a rate; a
+reference not installed is skipped with the reason printed. With ``--dir`` the files are kept
+under ``DIR/gpulazy-bench-formats/`` and reused by later runs of the same size (``--fresh``
+rewrites them); without it they live in a temporary folder, removed as each format is done.
+``--budget-s`` skips the rows left (printing which) once that many seconds have passed.
+On ``--device cpu`` the references are the host ones.
 """
 
 from __future__ import annotations
@@ -34,139 +47,257 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 SIDE = 2048
-PLANE = SIDE * SIDE * 2
-
-
 _DISTINCT = 16  # distinct planes, cycled: generating 2048 x 2048 noise per plane costs more than writing it
+WRITER_VERSION = 2  # bump when a writer or the generated data changes: kept files of older versions are not reused
+_THREADS = min(8, os.cpu_count() or 4)
+TARGET_VS_WHOLE = 0.9
+TARGET_FORMATS = ("raw", "tiff", "zarr-3d", "zarr-zstd-3d")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The volume every format holds: ``n`` planes of ``side`` x ``side`` uint16."""
+
+    n: int
+    side: int = SIDE
+
+    @property
+    def plane(self) -> int:
+        return self.side * self.side * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.plane
+
+    @property
+    def half(self) -> int:
+        return self.n // 2
+
+    def clip(self, chunks: tuple[int, int, int]) -> tuple[int, int, int]:
+        return min(chunks[0], self.n), min(chunks[1], self.side), min(chunks[2], self.side)
 
 
 @functools.cache
-def _planes(seed: int = 0) -> tuple[np.ndarray, ...]:
-    y, x = np.ogrid[:SIDE, :SIDE]
+def _planes(side: int = SIDE, seed: int = 0) -> tuple[np.ndarray, ...]:
+    y, x = np.ogrid[:side, :side]
     base = (np.sin(x / 97.0) + np.cos(y / 131.0)) * 8000 + 20000
     rng = np.random.default_rng(seed)
-    return tuple((base + 3000 * np.sin(z / 5.0)).astype(np.uint16) + rng.integers(0, 8, (SIDE, SIDE), dtype=np.uint16)
+    return tuple((base + 3000 * np.sin(z / 5.0)).astype(np.uint16) + rng.integers(0, 8, (side, side), dtype=np.uint16)
                  for z in range(_DISTINCT))
 
 
-def volume_planes(nplanes: int, seed: int = 0):
-    """Planes of a smooth field plus noise (compresses like real microscopy data, noise and all)."""
-    planes = _planes(seed)
-    for z in range(nplanes):
-        yield planes[z % _DISTINCT]
+def plane(z: int, side: int = SIDE) -> np.ndarray:
+    """Plane ``z`` of the volume: a smooth field plus noise (compresses like microscopy data, noise and all)."""
+    return _planes(side)[z % _DISTINCT]
 
 
-# -- writers ------------------------------------------------------------------------------------
+def _slab(g: Geometry, z0: int, z1: int) -> np.ndarray:
+    return np.stack([plane(z, g.side) for z in range(z0, z1)])
 
-def write_raw(folder: str, n: int) -> str:
+
+def _in_slabs(g: Geometry, step: int, put: Callable[[int, np.ndarray], None]) -> None:
+    """``put(z0, planes z0..z0+step)`` for every slab, ``_THREADS`` at a time: slabs aligned to the
+    chunks (or shards) touch distinct stored chunks, so the writes never overlap."""
+    with ThreadPoolExecutor(_THREADS) as pool:
+        list(pool.map(lambda z0: put(z0, _slab(g, z0, min(z0 + step, g.n))), range(0, g.n, step)))
+
+
+# -- writers: (folder, geometry) -> the path from_files opens --------------------------------------
+
+def write_raw(folder: str, g: Geometry) -> str:
     path = os.path.join(folder, "vol.raw")
     with open(path, "wb") as f:
-        for p in volume_planes(n):
-            f.write(p.tobytes())
+        f.truncate(g.nbytes)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        def put(z: int) -> None:
+            view, offset = memoryview(plane(z, g.side)).cast("B"), z * g.plane
+            while view:  # pwrite may write less than asked
+                done = os.pwrite(fd, view, offset)
+                view, offset = view[done:], offset + done
+        with ThreadPoolExecutor(_THREADS) as pool:
+            list(pool.map(put, range(g.n)))
+    finally:
+        os.close(fd)
     return path
 
 
-def write_tiff(folder: str, n: int) -> str:
+def write_tiff(folder: str, g: Geometry) -> str:
     import tifffile
 
     d = os.path.join(folder, "tiff")
     os.makedirs(d)
-    for i, p in enumerate(volume_planes(n)):
-        tifffile.imwrite(os.path.join(d, f"z{i:05d}.tif"), p)
+    with ThreadPoolExecutor(_THREADS) as pool:
+        list(pool.map(lambda z: tifffile.imwrite(os.path.join(d, f"z{z:05d}.tif"), plane(z, g.side)), range(g.n)))
     return d
 
 
-def write_zarr(folder: str, n: int, name: str, *, zstd: bool, shards: bool) -> str:
+def write_zarr(folder: str, g: Geometry, *, zstd: bool, chunks: tuple[int, int, int],
+               shards: tuple[int, int, int] | None = None) -> str:
     import zarr
 
-    path = os.path.join(folder, f"{name}.zarr")
+    path = os.path.join(folder, "vol.zarr")
     kw: dict[str, Any] = {"compressors": [zarr.codecs.ZstdCodec(level=1)] if zstd else None}
-    chunks = (8, 512, 512)
     if shards:
-        kw["shards"] = (32, SIDE, SIDE)
-    z = zarr.create_array(path, shape=(n, SIDE, SIDE), chunks=chunks, dtype="uint16", zarr_format=3, **kw)
-    batch = []
-    start = 0
-    for p in volume_planes(n):
-        batch.append(p)
-        if len(batch) == 32:
-            z[start:start + 32] = np.stack(batch)
-            start += 32
-            batch = []
-    if batch:
-        z[start:start + len(batch)] = np.stack(batch)
+        kw["shards"] = g.clip(shards)
+    z = zarr.create_array(path, shape=(g.n, g.side, g.side), chunks=g.clip(chunks), dtype="uint16", zarr_format=3,
+                          **kw)
+    _in_slabs(g, (shards or chunks)[0], lambda z0, slab: z.__setitem__(slice(z0, z0 + len(slab)), slab))
     return path
 
 
-def write_zarr2_blosc(folder: str, n: int) -> str:
+def write_zarr2_blosc(folder: str, g: Geometry) -> str:
     """Zarr v2 with its default compressor: blosc, lz4 level 5, byte shuffle; chunks of (8, 512, 512)."""
     import numcodecs
     import zarr
 
     path = os.path.join(folder, "blosc.zarr")
-    z = zarr.create_array(path, shape=(n, SIDE, SIDE), chunks=(8, 512, 512), dtype="uint16", zarr_format=2,
+    z = zarr.create_array(path, shape=(g.n, g.side, g.side), chunks=g.clip((8, 512, 512)), dtype="uint16",
+                          zarr_format=2,
                           compressors=numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE))
-    planes = volume_planes(n)
-    for z0 in range(0, n, 32):
-        z[z0:z0 + 32] = np.stack([next(planes) for _ in range(min(32, n - z0))])
+    _in_slabs(g, 8, lambda z0, slab: z.__setitem__(slice(z0, z0 + len(slab)), slab))
     return path
 
 
-def write_hdf5_bitshuffle(folder: str, n: int) -> str:
+def write_hdf5_bitshuffle(folder: str, g: Geometry) -> str:
     """HDF5 chunks of (8, 512, 512) through hdf5plugin's bitshuffle + LZ4 filter (as Dectris writes)."""
     import h5py
     import hdf5plugin
 
     path = os.path.join(folder, "bitshuffle.h5")
     with h5py.File(path, "w") as f:
-        ds = f.create_dataset("data", shape=(n, SIDE, SIDE), dtype="uint16", chunks=(8, 512, 512),
+        ds = f.create_dataset("data", shape=(g.n, g.side, g.side), dtype="uint16", chunks=g.clip((8, 512, 512)),
                               **hdf5plugin.Bitshuffle(nelems=0, cname="lz4"))
-        planes = volume_planes(n)
-        for z0 in range(0, n, 8):
-            ds[z0:z0 + 8] = np.stack([next(planes) for _ in range(min(8, n - z0))])
+        for z0 in range(0, g.n, 8):  # h5py serialises every call: no thread pool
+            ds[z0:z0 + 8] = _slab(g, z0, min(z0 + 8, g.n))
     return path
 
 
-def write_hdf5(folder: str, n: int, name: str, *, gzip: bool) -> str:
+def write_hdf5(folder: str, g: Geometry, *, gzip: bool) -> str:
     """Chunks of (8, 512, 512); gzip chunks compressed in a thread pool and written with
     ``write_direct_chunk`` (h5py's own gzip is single-threaded: 335 s per GiB)."""
     import zlib
 
     import h5py
 
-    path = os.path.join(folder, f"{name}.h5")
-    chunks = (8, 512, 512)
+    path = os.path.join(folder, "vol.h5")
+    cz, cy, cx = chunks = g.clip((8, 512, 512))
     with h5py.File(path, "w") as f:
-        ds = f.create_dataset("data", shape=(n, SIDE, SIDE), dtype="uint16", chunks=chunks,
+        ds = f.create_dataset("data", shape=(g.n, g.side, g.side), dtype="uint16", chunks=chunks,
                               compression="gzip" if gzip else None, compression_opts=1 if gzip else None)
-        planes = volume_planes(n)
-        with ThreadPoolExecutor(16) as pool:
-            for z0 in range(0, n, 8):
-                slab = np.stack([next(planes) for _ in range(min(8, n - z0))])
+        with ThreadPoolExecutor(_THREADS) as pool:
+            for z0 in range(0, g.n, cz):
+                slab = _slab(g, z0, min(z0 + cz, g.n))
                 if not gzip:
                     ds[z0:z0 + len(slab)] = slab
                     continue
-                if len(slab) < 8:
-                    slab = np.concatenate([slab, np.zeros((8 - len(slab), SIDE, SIDE), np.uint16)])
-                blocks = [(y, x, np.ascontiguousarray(slab[:, y:y + 512, x:x + 512]))
-                          for y in range(0, SIDE, 512) for x in range(0, SIDE, 512)]
+                if len(slab) < cz:
+                    slab = np.concatenate([slab, np.zeros((cz - len(slab), g.side, g.side), np.uint16)])
+                blocks = [(y, x, np.ascontiguousarray(slab[:, y:y + cy, x:x + cx]))
+                          for y in range(0, g.side, cy) for x in range(0, g.side, cx)]
                 for (y, x, _), data in zip(blocks, pool.map(lambda b: zlib.compress(b[2].tobytes(), 1), blocks)):
                     ds.id.write_direct_chunk((z0, y, x), data)
     return path
 
 
-# -- readers --------------------------------------------------------------------------------------
+WRITERS: dict[str, Callable[[str, Geometry], str]] = {
+    "raw": write_raw,
+    "tiff": write_tiff,
+    "zarr": lambda d, g: write_zarr(d, g, zstd=False, chunks=(8, 512, 512)),
+    "zarr-zstd": lambda d, g: write_zarr(d, g, zstd=True, chunks=(8, 512, 512)),
+    "zarr-zstd-sharded": lambda d, g: write_zarr(d, g, zstd=True, chunks=(8, 512, 512), shards=(32, g.side, g.side)),
+    "zarr-3d": lambda d, g: write_zarr(d, g, zstd=False, chunks=(64, 256, 256)),
+    "zarr-zstd-3d": lambda d, g: write_zarr(d, g, zstd=True, chunks=(64, 256, 256)),
+    "hdf5": lambda d, g: write_hdf5(d, g, gzip=False),
+    "hdf5-gzip": lambda d, g: write_hdf5(d, g, gzip=True),
+    "zarr2-blosc": write_zarr2_blosc,
+    "hdf5-bitshuffle": write_hdf5_bitshuffle,
+}
+DEFAULT_ONLY = ("raw,tiff,zarr,zarr-zstd,zarr-zstd-sharded,zarr-3d,zarr-zstd-3d,hdf5,hdf5-gzip,zarr2-blosc,"
+                "hdf5-bitshuffle")
+
+
+class Store:
+    """Where the formats' files live. With a folder they are kept and reused by the next run of the
+    same geometry (a marker written after the writer finishes says the files are whole)."""
+
+    def __init__(self, directory: str | None, *, fresh: bool = False):
+        self.keep, self.fresh = directory is not None, fresh
+        self.written: set[str] = set()  # formats written by this run: reused within it even when not kept
+        if self.keep:
+            self.root = os.path.join(directory, "gpulazy-bench-formats")
+            os.makedirs(self.root, exist_ok=True)
+        else:
+            self.root = tempfile.mkdtemp(prefix="gpulazy-bench-formats-")
+
+    def _folder(self, fmt: str, g: Geometry) -> str:
+        return os.path.join(self.root, f"{fmt}-{g.n}x{g.side}x{g.side}-v{WRITER_VERSION}")
+
+    def prepare(self, fmt: str, g: Geometry) -> tuple[str, float, bool]:
+        """(path, seconds the writing took, whether an earlier run's files were reused)."""
+        folder = self._folder(fmt, g)
+        marker = folder + ".json"
+        if os.path.exists(marker) and (folder in self.written or (self.keep and not self.fresh)):
+            with open(marker) as f:
+                m = json.load(f)
+            path = os.path.join(folder, m["name"])
+            if os.path.exists(path):
+                return path, m["write_seconds"], True
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.path.exists(marker):
+            os.remove(marker)
+        os.makedirs(folder)
+        t0 = time.perf_counter()
+        path = WRITERS[fmt](folder, g)
+        seconds = time.perf_counter() - t0
+        with open(marker, "w") as f:
+            json.dump({"name": os.path.basename(path), "write_seconds": seconds}, f)
+        self.written.add(folder)
+        return path, seconds, False
+
+    def release(self, fmt: str, g: Geometry) -> None:
+        if not self.keep:
+            folder = self._folder(fmt, g)
+            shutil.rmtree(folder, ignore_errors=True)
+            if os.path.exists(folder + ".json"):
+                os.remove(folder + ".json")
+
+    def close(self) -> None:
+        if not self.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Budget:
+    """Seconds the run may take; ``spent(what)`` records and prints what it skips once they are gone."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.t0, self.skipped = seconds, time.perf_counter(), []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def spent(self, what: str) -> bool:
+        if self.seconds is None or self.elapsed() < self.seconds:
+            return False
+        self.skipped.append(what)
+        print(f"    skipped {what}: the budget of {self.seconds:g} s is spent ({self.elapsed():.0f} s)", flush=True)
+        return True
+
+
+# -- timing -----------------------------------------------------------------------------------------
 
 def _sync(x: Any) -> Any:
-    if hasattr(x, "device") and type(x).__module__.startswith("cupy"):
+    """``x`` once all its work is done: the whole device, since gpulazy works on streams of its own."""
+    if type(x).__module__.startswith("cupy"):
         import cupy
 
-        cupy.cuda.get_current_stream().synchronize()
+        cupy.cuda.Device().synchronize()
     return x
 
 
@@ -180,6 +311,14 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     return best, out
 
 
+def _free_device_pool(device: str) -> None:
+    """Give a reference way's device buffers back, so the next rows start from the same free memory."""
+    if device != "cpu":
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def to_device(a: np.ndarray, device: str) -> Any:
     if device == "cpu":
         return a
@@ -188,12 +327,142 @@ def to_device(a: np.ndarray, device: str) -> Any:
     return cupy.asarray(a)
 
 
-def _refs(fmt: str, path: str, device: str, n: int, limit: int) -> dict[str, tuple[Callable[[], Any], int]]:
-    """Reference ways for ``fmt``: name -> (read, planes it reads). Slow ways read ``limit`` planes."""
-    small = min(n, limit)
-    refs: dict[str, tuple[Callable[[], Any], int]] = {}
-    if fmt == "raw" and device != "cpu":
-        refs["KvikIO CuFile.pread"] = (lambda: _kvikio_read(path), n)
+def _host(x: Any) -> np.ndarray:
+    return x.get() if type(x).__module__.startswith("cupy") else np.asarray(x)
+
+
+# -- derived operations ------------------------------------------------------------------------------
+
+OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
+    "mip": ("max(axis=0)", lambda a, g: a.max(axis=0)),
+    "slice": ("[1:half+1]", lambda a, g: a[1:g.half + 1]),
+    "astype_sum": ('astype("f8").sum()', lambda a, g: a.astype("f8").sum()),
+    "mean": ("mean()", lambda a, g: a.mean()),
+}
+
+
+def op_bytes(op: str, g: Geometry) -> int:
+    """Source bytes an operation reads: the slice reads half the planes, the others all."""
+    return g.half * g.plane if op == "slice" else g.nbytes
+
+
+def _planes_equal(out: Any, first: int, g: Geometry) -> bool:
+    """Every plane of ``out`` equals generated plane ``first + i``, compared where ``out`` lives
+    (the distinct planes go to the device once: comparing there costs no host copy of the result)."""
+    on_gpu = type(out).__module__.startswith("cupy")
+    if on_gpu:
+        import cupy
+
+        want = [cupy.asarray(plane(z, g.side)) for z in range(_DISTINCT)]
+    else:
+        want = list(_planes(g.side))
+    return all(bool((out[i] == want[(first + i) % _DISTINCT]).all()) for i in range(len(out)))
+
+
+def check_whole(out: Any, g: Geometry) -> bool:
+    """Every plane equals the generated one."""
+    return tuple(out.shape) == (g.n, g.side, g.side) and _planes_equal(out, 0, g)
+
+
+def check_op(op: str, out: Any, g: Geometry) -> bool:
+    """``out`` equals the operation on the generated volume (sums of integers below 2**53 are exact in f8)."""
+    if op == "mip":
+        want = np.maximum.reduce([plane(z, g.side) for z in range(min(g.n, _DISTINCT))])
+        return bool(np.array_equal(_host(out), want))
+    if op == "slice":
+        return tuple(out.shape) == (g.half, g.side, g.side) and _planes_equal(out, 1, g)
+    sums = [int(plane(z, g.side).sum(dtype=np.int64)) for z in range(_DISTINCT)]
+    exact = sum(sums[z % _DISTINCT] for z in range(g.n))
+    value = float(_host(out))
+    if op == "astype_sum":
+        return value == float(exact)
+    return bool(np.isclose(value, exact / (g.n * g.side * g.side), rtol=1e-12, atol=0))
+
+
+def read_raw(path: str, g: Geometry, device: str, start: int = 0, count: int | None = None) -> Any:
+    """Planes ``start..start+count`` of the raw file in one buffer: KvikIO on a GPU, ``np.fromfile`` on the host."""
+    count = g.n - start if count is None else count
+    if device == "cpu":
+        return np.fromfile(path, np.uint16, count=count * g.side * g.side, offset=start * g.plane).reshape(
+            count, g.side, g.side)
+    import cupy
+    import kvikio
+    import kvikio.defaults
+
+    import gpulazy
+
+    # KvikIO's pool is process-wide and starts at one thread; gpulazy's backend sets it to its
+    # ``threads`` when made. The reference gets the same threads, also when it runs first.
+    threads = gpulazy.config.get("threads")
+    if int(kvikio.defaults.get("num_threads")) != threads:
+        kvikio.defaults.set({"num_threads": threads})
+    buf = cupy.empty(count * g.plane, dtype=cupy.uint8)
+    with kvikio.CuFile(path, "r") as f:
+        f.pread(buf, buf.nbytes, file_offset=start * g.plane, task_size=4 << 20).get()
+    return buf.view(cupy.uint16).reshape(count, g.side, g.side)
+
+
+def raw_reference_name(device: str) -> str:
+    return "np.fromfile + same op" if device == "cpu" else "raw KvikIO + same op"
+
+
+def raw_reference_skip(device: str) -> str | None:
+    if device == "cpu":
+        return None
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return "kvikio is not installed"
+    return None
+
+
+def raw_op(op: str, path: str, g: Geometry, device: str) -> Callable[[], Any]:
+    """The raw reference of ``op``: the slice is a read of those planes alone; the others read all, then compute."""
+    if op == "slice":
+        return lambda: read_raw(path, g, device, 1, g.half)
+    fn = OPS[op][1]
+    return lambda: fn(read_raw(path, g, device), g)
+
+
+def measure_raw_refs(path: str, g: Geometry, device: str, ops: list[str], repeat: int,
+                     budget: Budget) -> dict[str, dict[str, Any]]:
+    """GB/s of the raw reference for every op, measured once per run and shown beside every format."""
+    reason = raw_reference_skip(device)
+    out: dict[str, dict[str, Any]] = {}
+    if reason:
+        print(f"{raw_reference_name(device)}: skipped ({reason})")
+        return {op: {"skipped": reason} for op in ops}
+    read_raw(path, g, device)  # warm: page cache, KvikIO's threads
+    for op in ops:
+        if budget.spent(f"{raw_reference_name(device)} {op}"):
+            out[op] = {"skipped": "budget spent"}
+            continue
+        try:
+            seconds, res = timed(raw_op(op, path, g, device), repeat)
+        except Exception as e:  # reported; the formats' rows still run
+            out[op] = {"error": _error(e)}
+            continue
+        out[op] = {"gbps": op_bytes(op, g) / seconds / 1e9, "correct": check_op(op, res, g)}
+        del res
+        _free_device_pool(device)
+    print(f"{raw_reference_name(device)}: " + ", ".join(
+        f"{op} {r['gbps']:.2f} GB/s" + ("" if r["correct"] else " VALUES DIFFER") if "gbps" in r
+        else f"{op} {r.get('error', r.get('skipped'))}" for op, r in out.items()), flush=True)
+    return out
+
+
+# -- reference readers of a whole format --------------------------------------------------------------
+
+def _refs(fmt: str, path: str, device: str, g: Geometry, limit: int) -> dict[str, Any]:
+    """Reference ways for ``fmt``: name -> (read, planes it reads), or name -> the reason it is skipped.
+    Slow ways read ``limit`` planes."""
+    n, small = g.n, min(g.n, limit)
+    refs: dict[str, Any] = {}
+    if fmt == "raw":
+        if device == "cpu":
+            refs["np.fromfile"] = (lambda: read_raw(path, g, device), n)
+        else:
+            refs["KvikIO CuFile.pread"] = raw_reference_skip(device) or (lambda: read_raw(path, g, device), n)
     if fmt == "tiff":
         import tifffile
 
@@ -205,31 +474,9 @@ def _refs(fmt: str, path: str, device: str, n: int, limit: int) -> dict[str, tup
             refs["dask_image.imread -> cp.asarray"] = (lambda: to_device(
                 dimread.imread(os.path.join(path, "*.tif"))[:small].compute(), device), small)
         except ImportError:
-            pass
+            refs["dask_image.imread -> cp.asarray"] = "dask-image is not installed"
     if fmt.startswith("zarr"):
-        import dask.array as da
-        import zarr
-
-        refs["zarr-python [:] -> cp.asarray"] = (
-            lambda: to_device(zarr.open_array(path, mode="r")[:small], device), small)
-        if device != "cpu":
-            def gpu_zarr() -> Any:
-                with zarr.config.enable_gpu():
-                    return da.from_zarr(path)[:n].compute()
-
-            refs["zarr enable_gpu + da.from_zarr"] = (gpu_zarr, n)
-        try:
-            import tensorstore as ts
-
-            driver = "zarr" if fmt == "zarr2-blosc" else "zarr3"
-
-            def tstore() -> Any:
-                t = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": path}}).result()
-                return to_device(t[:n].read().result(), device)
-
-            refs["TensorStore -> cp.asarray"] = (tstore, n)
-        except ImportError:
-            pass
+        refs.update(_zarr_refs(fmt, path, device, n, small))
     if fmt.startswith("hdf5"):
         import h5py
 
@@ -244,97 +491,152 @@ def _refs(fmt: str, path: str, device: str, n: int, limit: int) -> dict[str, tup
     return refs
 
 
-def _kvikio_read(path: str) -> Any:
-    import cupy
-    import kvikio
+def _zarr_refs(fmt: str, path: str, device: str, n: int, small: int) -> dict[str, Any]:
+    import dask.array as da
+    import zarr
 
-    n = os.path.getsize(path)
-    buf = cupy.empty(n, dtype=cupy.uint8)
-    with kvikio.CuFile(path, "r") as f:
-        f.pread(buf, n, task_size=4 << 20).get()
-    return buf
+    refs: dict[str, Any] = {
+        "zarr-python [:] -> cp.asarray": (lambda: to_device(zarr.open_array(path, mode="r")[:small], device), small)}
+    if device == "cpu":
+        refs["zarr enable_gpu + da.from_zarr"] = "needs a GPU"
+    else:
+        def gpu_zarr() -> Any:
+            with zarr.config.enable_gpu():
+                return da.from_zarr(path)[:n].compute()
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="4GiB")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--only", default="raw,tiff,zarr,zarr-zstd,zarr-zstd-sharded,hdf5,hdf5-gzip,zarr2-blosc,"
-                                      "hdf5-bitshuffle")
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--ref-limit", default="1GiB", help="bytes the slow reference ways read")
-    ap.add_argument("--dir", default=None)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-
-    import gpulazy
-
-    dev = gpulazy.get_device(args.device)
-    nplanes = max(8, gpulazy.config.parse_bytes(args.size) // PLANE // 8 * 8)
-    limit = max(8, gpulazy.config.parse_bytes(args.ref_limit) // PLANE)
-    folder = tempfile.mkdtemp(prefix="gpulazy-bench-formats-", dir=args.dir)
-    writers = {
-        "raw": lambda: write_raw(folder, nplanes),
-        "tiff": lambda: write_tiff(folder, nplanes),
-        "zarr": lambda: write_zarr(folder, nplanes, "plain", zstd=False, shards=False),
-        "zarr-zstd": lambda: write_zarr(folder, nplanes, "zstd", zstd=True, shards=False),
-        "zarr-zstd-sharded": lambda: write_zarr(folder, nplanes, "sharded", zstd=True, shards=True),
-        "hdf5": lambda: write_hdf5(folder, nplanes, "plain", gzip=False),
-        "hdf5-gzip": lambda: write_hdf5(folder, nplanes, "gzip", gzip=True),
-        "zarr2-blosc": lambda: write_zarr2_blosc(folder, nplanes),
-        "hdf5-bitshuffle": lambda: write_hdf5_bitshuffle(folder, nplanes),
-    }
-    nbytes = nplanes * PLANE
-    rows: list[dict[str, Any]] = []
-    raw_rate = None
-    print(f"device {dev.name}, {nplanes} planes of {SIDE}x{SIDE} uint16 = {nbytes / 2**30:.2f} GiB per format")
+        refs["zarr enable_gpu + da.from_zarr"] = (gpu_zarr, n)
     try:
-        for fmt in args.only.split(","):
-            t0 = time.perf_counter()
-            path = writers[fmt]()
-            stored = _stored_bytes(path)
-            row: dict[str, Any] = {"format": fmt, "bytes": nbytes, "stored_bytes": stored,
-                                   "compression_ratio": nbytes / stored, "write_seconds": time.perf_counter() - t0}
-            vol = gpulazy.from_files(path, device=dev.name, cache=False) if fmt != "raw" else \
-                gpulazy.from_files(path, shape=(nplanes, SIDE, SIDE), dtype="uint16", device=dev.name, cache=False)
-            row["layout"] = vol.chunk_index.layout if vol.chunk_index is not None else "?"
-            vol[:8].compute()  # start-up: backend, kernels, decoders
-            seconds, out = timed(vol.compute, args.repeat)
-            row["gpulazy_gbps"] = nbytes / seconds / 1e9
-            row["correct"] = _check(out, nplanes)
-            del out
-            if fmt == "raw":
-                raw_rate = row["gpulazy_gbps"]
-            row["vs_raw"] = row["gpulazy_gbps"] / raw_rate if raw_rate else None
-            row["refs"] = {}
-            for name, (fn, planes) in _refs(fmt, path, dev.name, nplanes, limit).items():
-                try:
-                    s, _ = timed(fn, args.repeat)
-                    rate = planes * PLANE / s / 1e9
-                    row["refs"][name] = {"gbps": rate, "ratio": row["gpulazy_gbps"] / rate, "planes": planes}
-                except Exception as e:  # a reference way that fails here is reported, not fatal
-                    row["refs"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            rows.append(row)
-            _print_row(row)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"device": dev.name, "rows": rows}, f, indent=2)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return 0
+        import tensorstore as ts
+    except ImportError:
+        refs["TensorStore -> cp.asarray"] = "tensorstore is not installed"
+        return refs
+    driver = "zarr" if fmt == "zarr2-blosc" else "zarr3"
+
+    def tstore() -> Any:
+        t = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": path}}).result()
+        return to_device(t[:n].read().result(), device)
+
+    refs["TensorStore -> cp.asarray"] = (tstore, n)
+    return refs
 
 
-def _check(out: Any, nplanes: int) -> bool:
-    """The first and last planes equal the generated ones."""
+# -- one format ---------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What every format's rows share."""
+
+    g: Geometry
+    device: str
+    ops: list[str]
+    repeat: int
+    ref_limit: int
+    refs: bool
+    budget: Budget
+    store: Store
+    raw_rate: float | None = None
+    raw_refs: dict[str, dict[str, Any]] | None = None
+
+
+def _open(fmt: str, path: str, run: Run) -> Any:
     import gpulazy
 
-    want = list(volume_planes(nplanes)) if nplanes <= 64 else None
-    first = gpulazy.to_numpy(out[0])
-    if want is None:
-        gen = volume_planes(nplanes)
-        return bool((first == next(gen)).all())
-    return bool((first == want[0]).all() and (gpulazy.to_numpy(out[-1]) == want[-1]).all())
+    if fmt == "raw":
+        return gpulazy.from_files(path, shape=(run.g.n, run.g.side, run.g.side), dtype="uint16", device=run.device,
+                                  cache=False)
+    return gpulazy.from_files(path, device=run.device, cache=False)
+
+
+def measure_format(fmt: str, run: Run) -> dict[str, Any]:
+    g = run.g
+    try:
+        path, write_seconds, reused = run.store.prepare(fmt, g)
+    except ImportError as e:
+        reason = f"{e.name or e} is not installed"
+        print(f"{fmt:18s} skipped: {reason}", flush=True)
+        return {"format": fmt, "skipped": reason}
+    except OSError as e:  # a full disk, say: the formats after this one may still fit
+        print(f"{fmt:18s} writing failed: {_error(e)}", flush=True)
+        run.store.release(fmt, g)
+        return {"format": fmt, "error": f"writing: {_error(e)}"}
+    stored = _stored_bytes(path)
+    row: dict[str, Any] = {"format": fmt, "bytes": g.nbytes, "stored_bytes": stored,
+                           "compression_ratio": g.nbytes / stored, "write_seconds": write_seconds, "reused": reused}
+    try:
+        try:
+            vol = _open(fmt, path, run)
+            row["layout"] = vol.chunk_index.layout if vol.chunk_index is not None else "?"
+            row["chunks"] = [list(c[:1]) + [len(c)] for c in vol.chunks]  # first chunk and count per axis
+            vol[:min(8, g.n)].compute()  # start-up: backend, kernels, decoders
+            seconds, out = timed(vol.compute, run.repeat)
+        except Exception as e:  # one format failing is reported and the run goes on to the next
+            row["error"] = _error(e)
+            print(f"{fmt:18s} compute() failed: {row['error']}", flush=True)
+            return row
+        row["gpulazy_gbps"] = g.nbytes / seconds / 1e9
+        row["correct"] = check_whole(out, g)
+        del out
+        _free_device_pool(run.device)
+        if fmt == "raw":
+            run.raw_rate = row["gpulazy_gbps"]
+        row["vs_raw"] = row["gpulazy_gbps"] / run.raw_rate if run.raw_rate else None
+        _print_whole(row)
+        row["ops"] = {op: _measure_op(fmt, op, vol, row["gpulazy_gbps"], run) for op in run.ops}
+        del vol
+        row["refs"] = _measure_refs(fmt, path, row["gpulazy_gbps"], run) if run.refs else {}
+    finally:
+        run.store.release(fmt, g)
+    return row
+
+
+def _measure_op(fmt: str, op: str, vol: Any, whole_gbps: float, run: Run) -> dict[str, Any]:
+    label, fn = OPS[op]
+    if run.budget.spent(f"{fmt} {op}"):
+        return {"skipped": "budget spent"}
+    try:
+        fn(vol[:min(8, run.g.n)], run.g).compute()  # start-up: the op's kernels, on a few planes
+        seconds, out = timed(lambda: fn(vol, run.g).compute(), run.repeat)
+    except Exception as e:  # reported beside the row; the other rows still run
+        print(f"    {op:10s} {label:20s} failed: {_error(e)}", flush=True)
+        return {"error": _error(e)}
+    r: dict[str, Any] = {"gbps": op_bytes(op, run.g) / seconds / 1e9, "correct": check_op(op, out, run.g)}
+    del out
+    _free_device_pool(run.device)
+    r["x_whole"] = r["gbps"] / whole_gbps
+    if fmt in TARGET_FORMATS:
+        r["meets_target"] = r["x_whole"] >= TARGET_VS_WHOLE
+    ref = (run.raw_refs or {}).get(op, {})
+    if "gbps" in ref:
+        r["raw_ref_gbps"] = ref["gbps"]
+        r["x_raw_ref"] = r["gbps"] / ref["gbps"]
+    _print_op(op, label, r, run.device)
+    return r
+
+
+def _measure_refs(fmt: str, path: str, gbps: float, run: Run) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    limit_planes = max(2, run.ref_limit // run.g.plane)
+    for name, ref in _refs(fmt, path, run.device, run.g, limit_planes).items():
+        if isinstance(ref, str):
+            out[name] = {"skipped": ref}
+        elif run.budget.spent(f"{fmt} {name}"):
+            out[name] = {"skipped": "budget spent"}
+            continue  # spent() printed it
+        else:
+            fn, planes = ref
+            try:
+                s, _ = timed(fn, run.repeat)
+                rate = planes * run.g.plane / s / 1e9
+                out[name] = {"gbps": rate, "ratio": gbps / rate, "planes": planes}
+            except Exception as e:  # a reference way that fails here is reported, not fatal
+                out[name] = {"error": _error(e)}
+            _free_device_pool(run.device)
+        _print_ref(name, out[name])
+    return out
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
 
 
 def _stored_bytes(path: str) -> int:
@@ -343,17 +645,140 @@ def _stored_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def _print_row(row: dict[str, Any]) -> None:
+# -- printing ---------------------------------------------------------------------------------------
+
+def _print_whole(row: dict[str, Any]) -> None:
     vs = f", {row['vs_raw']:.2f}x raw" if row.get("vs_raw") else ""
     vs += "" if row.get("correct") else "  VALUES DIFFER"
-    print(f"{row['format']:18s} gpulazy {row['gpulazy_gbps']:6.2f} GB/s{vs} (compression {row['compression_ratio']:.2f}x, "
-          f"layout {row['layout']})")
-    for name, r in row["refs"].items():
-        if "error" in r:
-            print(f"    {name:36s} failed: {r['error']}")
-        else:
-            print(f"    {name:36s} {r['gbps']:6.2f} GB/s -> gpulazy {r['ratio']:5.1f}x")
+    wrote = f"{'files reused, written' if row['reused'] else 'written'} in {row['write_seconds']:.1f} s"
+    print(f"{row['format']:18s} compute() {row['gpulazy_gbps']:6.2f} GB/s{vs} (compression "
+          f"{row['compression_ratio']:.2f}x, layout {row['layout']}, {wrote})", flush=True)
+
+
+def _print_op(op: str, label: str, r: dict[str, Any], device: str) -> None:
+    target = ""
+    if "meets_target" in r:
+        target = f" [target {TARGET_VS_WHOLE}x: {'ok' if r['meets_target'] else 'MISS'}]"
+    ref = ""
+    if "raw_ref_gbps" in r:
+        ref = f"   {raw_reference_name(device)} {r['raw_ref_gbps']:6.2f} GB/s -> {r['x_raw_ref']:.2f}x"
+    bad = "" if r["correct"] else "  VALUES DIFFER"
+    print(f"    {op:10s} {label:20s} {r['gbps']:6.2f} GB/s {r['x_whole']:5.2f}x whole{target}{ref}{bad}", flush=True)
+
+
+def _print_ref(name: str, r: dict[str, Any]) -> None:
+    if "skipped" in r:
+        print(f"    {name:36s} skipped: {r['skipped']}")
+    elif "error" in r:
+        print(f"    {name:36s} failed: {r['error']}")
+    else:
+        print(f"    {name:36s} {r['gbps']:6.2f} GB/s -> gpulazy {r['ratio']:5.1f}x ({r['planes']} planes)")
     sys.stdout.flush()
+
+
+def summary(rows: list[dict[str, Any]], ops: list[str]) -> str:
+    """Derived / whole compute() per format and op: the issue-20 table."""
+    lines = [f"derived op rate / whole compute() rate (target >= {TARGET_VS_WHOLE} for {', '.join(TARGET_FORMATS)}):",
+             f"{'format':18s}" + "".join(f"{op:>12s}" for op in ops)]
+    for row in rows:
+        if "ops" not in row:
+            continue
+        cells = []
+        for op in ops:
+            r = row["ops"].get(op, {})
+            cells.append(f"{r['x_whole']:>11.2f}" + ("!" if r.get("meets_target") is False else " ")
+                         if "x_whole" in r else f"{'-':>12s}")
+        lines.append(f"{row['format']:18s}" + "".join(cells))
+    return "\n".join(lines)
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+def _pick(text: str, valid: Any, what: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in valid]
+    if bad:
+        raise SystemExit(f"unknown {what} {', '.join(bad)}; choose from {', '.join(valid)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="4GiB", help="bytes per format (issue 21: >= 4 GiB)")
+    ap.add_argument("--side", type=int, default=SIDE, help="plane side in pixels (small for CPU tests)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--only", default=DEFAULT_ONLY, help=f"comma list of: {DEFAULT_ONLY}")
+    ap.add_argument("--derived", action="store_true", help="add every derived row: " + ",".join(OPS))
+    ap.add_argument("--ops", default=None, help=f"comma list of derived rows: {','.join(OPS)}")
+    ap.add_argument("--no-refs", action="store_true", help="leave out the reference readers of each format")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--ref-limit", default="1GiB", help="bytes the slow reference ways read")
+    ap.add_argument("--budget-s", type=float, default=None, help="skip the rows left after this many seconds")
+    ap.add_argument("--dir", default=None, help="keep the files under DIR/gpulazy-bench-formats and reuse them")
+    ap.add_argument("--fresh", action="store_true", help="rewrite kept files")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    import gpulazy
+
+    formats = _pick(args.only, WRITERS, "format")
+    ops = list(OPS) if args.derived else _pick(args.ops or "", OPS, "op")
+    dev = gpulazy.get_device(args.device)
+    g = Geometry(max(8, gpulazy.config.parse_bytes(args.size) // (args.side * args.side * 2) // 8 * 8), args.side)
+    run = Run(g=g, device=dev.name, ops=ops, repeat=args.repeat, refs=not args.no_refs, budget=Budget(args.budget_s),
+              ref_limit=gpulazy.config.parse_bytes(args.ref_limit), store=Store(args.dir, fresh=args.fresh))
+    result: dict[str, Any] = {"device": dev.name, "planes": g.n, "side": g.side, "bytes_per_format": g.nbytes,
+                              "ops": ops, "rows": [], "skipped": run.budget.skipped}
+    print(f"device {dev.name}, {g.n} planes of {g.side}x{g.side} uint16 = {g.nbytes / 2**30:.2f} GiB per format, "
+          f"best of {args.repeat}, warm page cache" + (f", budget {args.budget_s:g} s" if args.budget_s else ""))
+    if ops and dev.is_gpu:
+        result["kernel_warmup_seconds"] = _warm_kernels()
+    try:
+        if ops:
+            result["raw_refs"] = run.raw_refs = _raw_refs(run)
+        for fmt in formats:
+            if run.budget.spent(f"{fmt} (all rows)"):
+                result["rows"].append({"format": fmt, "skipped": "budget spent"})
+                continue
+            result["rows"].append(measure_format(fmt, run))
+            _write_json(args.json, result)
+    finally:
+        run.store.close()
+    if ops:
+        print(summary(result["rows"], ops))
+    if run.budget.skipped:
+        print(f"skipped for the budget: {'; '.join(run.budget.skipped)}")
+    print(f"total {run.budget.elapsed():.0f} s")
+    _write_json(args.json, result)
+    return 0
+
+
+def _warm_kernels() -> float:
+    """Compile the CuPy reductions the derived rows use, timed apart: a fresh host compiles each
+    once with NVRTC (a first ``mean()`` took 48 s on an H100 host), then reads its kernel cache."""
+    import cupy
+
+    t0 = time.perf_counter()
+    a = cupy.arange(4 * 16 * 16, dtype=cupy.uint16).reshape(4, 16, 16)
+    for x in (a, a.astype("f8")):
+        x.max(axis=0), x.sum(), x.mean(), x.sum(axis=(0, 1, 2), keepdims=True), x.sum(axis=0, keepdims=True)
+    cupy.cuda.Device().synchronize()
+    seconds = time.perf_counter() - t0
+    print(f"CuPy reduction kernels ready in {seconds:.1f} s (compiled once per host, then cached)", flush=True)
+    return seconds
+
+
+def _raw_refs(run: Run) -> dict[str, dict[str, Any]]:
+    """The raw file (reused or written, timed) and the raw reference of every op."""
+    path, seconds, reused = run.store.prepare("raw", run.g)
+    print(f"raw file for the references {'reused' if reused else 'written'} ({seconds:.1f} s)")
+    return measure_raw_refs(path, run.g, run.device, run.ops, run.repeat, run.budget)
+
+
+def _write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

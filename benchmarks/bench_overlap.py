@@ -6,8 +6,9 @@ same bytes, then times, each beside its naive and raw equivalents in the same ru
 - the pinned host->device copy ceiling (GPU);
 - one big file and the many plane files, ``from_files(...).compute()``;
 - a maximum-intensity projection ``planes.max(axis=0)``, a slice ``planes[:half]`` (on chunk
-  boundaries: the fast path), one off them ``planes[1:half + 1]`` and
-  ``big.astype("f8").sum()``;
+  boundaries: the fast path), one off them ``planes[1:half + 1]``, ``big.astype("f8").sum()``
+  and ``planes.mean()``; with ``--read-ahead 0,1GiB,4GiB`` (and/or ``--batch-size LIST``) these
+  derived rows again under each ``gpulazy.config.set(read_ahead=...)`` (``batch_size=...``);
 - the whole read and the MIP with a callback active (dask's ``ProgressBar`` and a user's
   no-op ``Callback``), as a ratio to the same compute without it;
 - a second MIP over data held in a ``DeviceCache`` against re-reading it;
@@ -17,11 +18,14 @@ same bytes, then times, each beside its naive and raw equivalents in the same ru
 "raw" is KvikIO's ``CuFile.pread`` of every file into one preallocated buffer, all in
 flight (on ``cpu``: ``np.fromfile`` into a buffer), followed by the same xp operation;
 "naive" is ``dask.array`` over ``np.memmap`` with ``map_blocks(xp.asarray)``.
-Rates are GB/s of file bytes; best of ``--repeat``.
+Rates are GB/s of file bytes; best of ``--repeat``. Every row also shows its rate over the
+whole-array ``compute()`` of the same files ("x whole"; issue 20: >= 0.9) and over raw KvikIO +
+the same op ("x raw").
 
     python benchmarks/bench_overlap.py                  # GPU if any: 256 x 16 MiB
     python benchmarks/bench_overlap.py --device cpu     # small CPU mode: 16 x 1 MiB
     python benchmarks/bench_overlap.py --json out.json
+    python benchmarks/bench_overlap.py --no-overlap --read-ahead 0,1GiB,4GiB    # a read-ahead sweep
 """
 
 from __future__ import annotations
@@ -98,7 +102,55 @@ def _naive(paths: list[str], shape: tuple[int, int], xp: Any) -> Any:
     return da.stack(stack).map_blocks(xp.asarray, dtype=np.uint16)
 
 
-def measure_paths(*, device: str, planes: int, mib: float, repeat: int, directory: str | None) -> dict[str, Any]:
+def _with_config(fn: Callable, **kv: Any) -> Callable:
+    """``fn`` run under ``gpulazy.config.set(**kv)``."""
+    import gpulazy
+
+    def run() -> Any:
+        with gpulazy.config.set(**kv):
+            return fn()
+    return run
+
+
+def _ratios(r: dict[str, float], whole: dict[str, float] | None, raw: float | None = None) -> dict[str, float]:
+    """``r`` with its rate over the whole-array compute of the same files (``x_whole``) and over raw
+    KvikIO + the same op (``x_raw``; ``raw`` when the row itself measured no raw way)."""
+    if whole is not None:
+        r["x_whole"] = r["gpulazy"] / whole["gpulazy"]
+    raw = r.get("raw", raw)
+    if raw:
+        r["x_raw"] = r["gpulazy"] / raw
+    return r
+
+
+def _agree(xp: Any, ours: Any, ref: Any) -> bool:
+    """gpulazy's result equals the raw way's (integers byte for byte; float sums of integers below
+    2**53 are exact, a mean is rounded once), compared where both live."""
+    a, b = xp.asarray(ours), xp.asarray(ref)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        return a.shape == b.shape and bool(xp.allclose(a, b, rtol=1e-12, atol=0))
+    return a.nbytes == b.nbytes and bool((a.reshape(-1).view(xp.uint8) == b.reshape(-1).view(xp.uint8)).all())
+
+
+def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable, paths: list[str], plane_bytes: int,
+                  total: int) -> dict[str, tuple[Callable, Callable, Callable, int, str]]:
+    """The issue-20 rows: name -> (gpulazy, raw KvikIO + the same op, naive dask, source bytes, whole row)."""
+    half = len(paths) // 2
+    return {
+        "MIP max(axis=0)": (lambda: vol.max(axis=0).compute(), lambda: rawv().max(axis=0),
+                            lambda: naive.max(axis=0).compute(), total, "planes compute()"),
+        # Off chunk boundaries: dask slices batched reads (on them, a slice takes the fast path).
+        "[1:half+1] compute()": (lambda: vol[1:half + 1].compute(), lambda: raw(paths[1:half + 1], plane_bytes),
+                                 lambda: naive[1:half + 1].compute(), half * plane_bytes, "planes compute()"),
+        "astype(f8).sum()": (lambda: big.astype("f8").sum().compute(), lambda: rawv().astype("f8").sum(),
+                             lambda: naive.astype("f8").sum().compute(), total, "one file compute()"),
+        "mean()": (lambda: vol.mean().compute(), lambda: rawv().mean(), lambda: naive.mean().compute(), total,
+                   "planes compute()"),
+    }
+
+
+def measure_paths(*, device: str, planes: int, mib: float, repeat: int, directory: str | None,
+                  sweeps: dict[str, list[str]] | None = None) -> dict[str, Any]:
     import dask
     import dask.array as da
     from dask.callbacks import Callback
@@ -125,6 +177,7 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
         return nbytes / seconds / 1e9
 
     rows_out: dict[str, dict[str, float]] = {}
+    sweeps = sweeps or {}
     try:
         paths, big_path = _write(tmp.name, planes, shape)
         raw = _raw_reader(dev, xp)
@@ -140,7 +193,8 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
         # Warm up: page cache, allocator pools, kernel compilation (CuPy compiles on first use).
         for fn in (lambda: vol.compute(), lambda: vol.max(axis=0).compute(), rawv,
                    lambda: rawv().max(axis=0), lambda: big.astype("f8").sum().compute(),
-                   lambda: rawv().astype("f8").sum(), lambda: vol[:half].compute()):
+                   lambda: rawv().astype("f8").sum(), lambda: vol[:half].compute(), lambda: vol.mean().compute(),
+                   lambda: rawv().mean()):
             fn()
             sync()
 
@@ -155,35 +209,41 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
             rows_out["pinned h2d ceiling"] = {"gpulazy": gbps(_best(h2d, repeat, sync))}
             del host, buf
 
-        def row(name: str, ours: Callable, raw_fn: Callable, naive_fn: Callable | None, nbytes: int = total) -> None:
-            r = {"gpulazy": gbps(_best(ours, repeat, sync), nbytes), "raw": gbps(_best(raw_fn, repeat, sync), nbytes)}
+        def row(name: str, ours: Callable, raw_fn: Callable | None, naive_fn: Callable | None, nbytes: int = total,
+                whole: str | None = "planes compute()") -> None:
+            r: dict[str, Any] = {"gpulazy": gbps(_best(ours, repeat, sync), nbytes)}
+            if raw_fn is not None:
+                r["raw"] = gbps(_best(raw_fn, repeat, sync), nbytes)
+                r["correct"] = _agree(xp, ours(), raw_fn())
             if naive_fn is not None:
                 r["naive"] = gbps(_best(naive_fn, 1, sync), nbytes)
-            rows_out[name] = r
+            rows_out[name] = _ratios(r, rows_out.get(whole or name))
             gc.collect()
 
-        row("one file compute()", lambda: big.compute(), lambda: raw([big_path], total), None)
-        row("planes compute()", lambda: vol.compute(), rawv, lambda: naive.compute())
-        row("MIP max(axis=0)", lambda: vol.max(axis=0).compute(), lambda: rawv().max(axis=0),
-            lambda: naive.max(axis=0).compute())
+        row("one file compute()", lambda: big.compute(), lambda: raw([big_path], total), None, whole=None)
+        row("planes compute()", lambda: vol.compute(), rawv, lambda: naive.compute(), whole=None)
+        derived = _derived_rows(vol, big, naive, rawv, raw, paths, plane_bytes, total)
+        for name, (ours, raw_fn, naive_fn, nbytes, whole) in derived.items():
+            row(name, ours, raw_fn, naive_fn, nbytes, whole)
         row("[:half] compute()", lambda: vol[:half].compute(),
             lambda: raw(paths[:half], plane_bytes), lambda: naive[:half].compute(), nbytes=half * plane_bytes)
-        # Off chunk boundaries: dask slices batched reads (on them, a slice takes the fast path).
-        row("[1:half+1] compute()", lambda: vol[1:half + 1].compute(),
-            lambda: raw(paths[1:half + 1], plane_bytes), lambda: naive[1:half + 1].compute(),
-            nbytes=half * plane_bytes)
-        row("astype(f8).sum()", lambda: big.astype("f8").sum().compute(), lambda: rawv().astype("f8").sum(),
-            lambda: naive.astype("f8").sum().compute())
+        # The derived rows again under each read-ahead (and batch size) asked for: one run sweeps them.
+        for key, values in sweeps.items():
+            for value in values:
+                for name, (ours, raw_fn, _, nbytes, whole) in derived.items():
+                    under = _with_config(ours, **{key: value})
+                    r = {"gpulazy": gbps(_best(under, repeat, sync), nbytes), "correct": _agree(xp, under(), raw_fn())}
+                    rows_out[f"{name} {key}={value}"] = _ratios(r, rows_out[whole], rows_out[name].get("raw"))
+                    gc.collect()
         # Ablations: the MIP as before this work (a read task per chunk), and without staging.
-        def with_config(fn: Callable, **kv: Any) -> Callable:
-            def run() -> Any:
-                with gpulazy.config.set(**kv):
-                    return fn()
-            return run
-        rows_out["MIP, batch_size=0 (read task per chunk)"] = {
-            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), batch_size=0), repeat, sync))}
-        rows_out["MIP, staging=never (KvikIO's streams)"] = {
-            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), staging="never"), repeat, sync))}
+        with_config = _with_config
+        mip = rows_out["MIP max(axis=0)"]
+        rows_out["MIP, batch_size=0 (read task per chunk)"] = _ratios({
+            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), batch_size=0), repeat, sync))},
+            rows_out["planes compute()"], mip["raw"])
+        rows_out["MIP, staging=never (KvikIO's streams)"] = _ratios({
+            "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), staging="never"), repeat, sync))},
+            rows_out["planes compute()"], mip["raw"])
         rows_out["one file compute()"]["naive"] = gbps(
             _best(lambda: xp.asarray(np.fromfile(big_path, np.uint8)), 1, sync))
 
@@ -219,10 +279,11 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
             # device memory (no gpulazy, no reads): what any recompute through dask can reach.
             held = da.from_array(rawv(), chunks=(1, *shape), asarray=False)
             t_floor = _best(lambda: held.max(axis=0).compute(), repeat, sync)
-            rows_out["MIP again from DeviceCache"] = {
+            rows_out["MIP again from DeviceCache"] = _ratios({
                 "gpulazy": gbps(t_again), "first": gbps(t_first), "reread": gbps(t_reread),
                 "x_reread": t_reread / t_again, "bytes_held": cache.bytes_held,
-                "dask_in_memory": gbps(t_floor), "x_reread_floor": t_reread / t_floor}
+                "dask_in_memory": gbps(t_floor), "x_reread_floor": t_reread / t_floor},
+                rows_out["planes compute()"], rows_out["MIP max(axis=0)"]["raw"])
             del held
         finally:
             cache.close()
@@ -250,15 +311,23 @@ def measure_overlap(*, device: str, repeat: int, computes: list[str], schedulers
     return out
 
 
+def _cell(value: float | None, width: int) -> str:
+    return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}}"
+
+
 def table(result: dict[str, Any]) -> str:
     p = result["paths"]
-    lines = [f"bench_overlap: {p['device']}, {p['planes']} planes x {p['plane_bytes'] / 2**20:.1f} MiB "
-             f"({p['total_bytes'] / 2**30:.2f} GiB), warm page cache, GB/s (best of {result['repeat']})",
-             f"{'path':<42}{'gpulazy':>9}{'raw':>9}{'naive':>9}  notes"]
+    lines = [(f"bench_overlap: {p['device']}, {p['planes']} planes x {p['plane_bytes'] / 2**20:.1f} MiB "
+              f"({p['total_bytes'] / 2**30:.2f} GiB), warm page cache, GB/s (best of {result['repeat']})"),
+             "x whole: over the whole compute() of the same files; x raw: over raw KvikIO + the same op",
+             f"{'path':<46}{'gpulazy':>9}{'raw':>9}{'naive':>9}{'x whole':>9}{'x raw':>7}  notes"]
+    columns = ("gpulazy", "raw", "naive", "x_whole", "x_raw", "correct")
     for name, r in p["rows"].items():
-        notes = ", ".join(f"{k} {v:.3g}" for k, v in r.items() if k not in ("gpulazy", "raw", "naive"))
-        lines.append(f"{name:<42}{r['gpulazy']:>9.2f}{r.get('raw', float('nan')):>9.2f}"
-                     f"{r.get('naive', float('nan')):>9.2f}  {notes}")
+        notes = ", ".join(f"{k} {v:.3g}" for k, v in r.items() if k not in columns)
+        notes += "  VALUES DIFFER from the raw way" if r.get("correct") is False else ""
+        lines.append(f"{name:<46}{r['gpulazy']:>9.2f}{_cell(r.get('raw'), 9)}{_cell(r.get('naive'), 9)}"
+                     f"{_cell(r.get('x_whole'), 9)}{_cell(r.get('x_raw'), 7)}"
+                     f"  {notes}")
     ov = result.get("overlap") or {}
     if ov:
         lines.append(f"{'read + compute, prefetch':<30}{'read s':>9}{'comp s':>9}{'naive x':>9}{'prefetch x':>11}"
@@ -267,6 +336,20 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{name:<30}{r['seconds_read']:>9.3f}{r['seconds_compute']:>9.3f}{r['ratio_naive']:>9.2f}"
                          f"{r['ratio']:>11.2f}{r['hit_rate']:>7.0%}")
     return "\n".join(lines)
+
+
+def _byte_list(text: str, ap: argparse.ArgumentParser, flag: str) -> list[str]:
+    """``"0,1GiB"`` as ``["0", "1GiB"]``, each checked to be a byte count now rather than mid-run."""
+    from gpulazy.config import parse_bytes
+    from gpulazy.errors import ConfigError
+
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    for v in values:
+        try:
+            parse_bytes(v)
+        except ConfigError as e:
+            ap.error(f"{flag}: {e}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--no-overlap", action="store_true", help="leave out the read + compute rows")
     ap.add_argument("--computes", default=None, help="comma list of bench_prefetch compute kinds")
+    ap.add_argument("--read-ahead", default=None, metavar="LIST",
+                    help="repeat the derived rows under each gpulazy.config read_ahead, e.g. 0,1GiB,4GiB")
+    ap.add_argument("--batch-size", default=None, metavar="LIST",
+                    help="repeat the derived rows under each gpulazy.config batch_size, e.g. 256MiB,1GiB")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
+    sweeps = {key: _byte_list(text, ap, flag) for key, text, flag in (
+        ("read_ahead", args.read_ahead, "--read-ahead"), ("batch_size", args.batch_size, "--batch-size")) if text}
 
     from gpulazy.device import get_device, gpu_count
 
@@ -287,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = get_device(device).is_gpu
     result: dict[str, Any] = {"repeat": args.repeat, "date": time.strftime("%Y-%m-%d")}
     result["paths"] = measure_paths(device=device, planes=args.planes or (256 if gpu else 16),
-                                    mib=args.mib or (16.0 if gpu else 1.0), repeat=args.repeat, directory=args.dir)
+                                    mib=args.mib or (16.0 if gpu else 1.0), repeat=args.repeat, directory=args.dir,
+                                    sweeps=sweeps)
     if not args.no_overlap:
         print(table(result), flush=True)  # early, in case the overlap rows run out of time
         computes = (args.computes or ("matmul,launch" if gpu else "xp,sleep")).split(",")

@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from gpulazy import config
 from gpulazy.device import Device, get_device
 from gpulazy.errors import DeviceError, LayoutError
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
@@ -285,12 +286,25 @@ def _array_class() -> type:
             """A slice on chunk boundaries stays a gpulazy array (its ``compute()`` takes the
             fast path); any other index is dask's."""
             blocks = _aligned_blocks(self, index)
-            if blocks is None:
-                return super().__getitem__(index)
-            return _block_slice(self, blocks)
+            if blocks is not None:
+                return _block_slice(self, blocks)
+            out = super().__getitem__(index)
+            region = _box(self, index)
+            if region is None or out.shape != tuple(b - a for a, b in region):
+                return out
+            box = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
+            box._gl_region_of = (self, region)  # its compute() reads the box alone, at the read rate
+            return box
 
         def compute(self, **kwargs: Any) -> Any:
             """The whole array on its device; see the class docstring for the fast path."""
+            box = getattr(self, "_gl_region_of", None)
+            if box is not None and box[0]._fast_path_ok(kwargs) and not _active_callbacks(kwargs):
+                self.compute_path = "fast"
+                base, region = box
+                from gpulazy.read.whole import read_region
+
+                return read_region(base._gl_specs, base._gl_source, base.chunks, base.dtype, region, base._gl_order)
             if self._fast_path_ok(kwargs):
                 self.compute_path = "fast"
                 return self._read_whole_with_hooks(kwargs.get("callbacks"))
@@ -316,6 +330,46 @@ def _array_class() -> type:
             hooks.finish(False)
             return out
 
+        # -- reductions that run as the reads land (gpulazy.read.reduce) ----------------------
+
+        def astype(self, dtype: Any, **kwargs: Any) -> Any:
+            """``dask.array.Array.astype``; a reduction of the result still runs as the reads land."""
+            out = super().astype(dtype, **kwargs)
+            if kwargs or out is self or getattr(self, "_gl_name", None) != self.name:
+                return out
+            cast = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
+            cast._gl_cast_of = (self, out.dtype)
+            return cast
+
+        def max(self, axis=None, keepdims=False, split_every=None, out=None):
+            return self._reduce("max", axis, keepdims, out=out, split_every=split_every)
+
+        def min(self, axis=None, keepdims=False, split_every=None, out=None):
+            return self._reduce("min", axis, keepdims, out=out, split_every=split_every)
+
+        def sum(self, axis=None, dtype=None, keepdims=False, split_every=None, out=None):
+            return self._reduce("sum", axis, keepdims, dtype=dtype, out=out, split_every=split_every)
+
+        def mean(self, axis=None, dtype=None, keepdims=False, split_every=None, out=None):
+            return self._reduce("mean", axis, keepdims, dtype=dtype, out=out, split_every=split_every)
+
+        def var(self, axis=None, dtype=None, keepdims=False, ddof=0, split_every=None, out=None):
+            return self._reduce("var", axis, keepdims, dtype=dtype, out=out, split_every=split_every, ddof=ddof)
+
+        def std(self, axis=None, dtype=None, keepdims=False, ddof=0, split_every=None, out=None):
+            return self._reduce("std", axis, keepdims, dtype=dtype, out=out, split_every=split_every, ddof=ddof)
+
+        def _reduce(self, op: str, axis: Any, keepdims: bool, **kwargs: Any) -> Any:
+            """``op`` as one task reading and folding every chunk (``gpulazy.read.reduce``), when it can;
+            otherwise dask's own reduction."""
+            base, cast = getattr(self, "_gl_cast_of", (self, None))
+            extra = {k: v for k, v in kwargs.items() if k != "ddof"}
+            if (not config.get("fused_reductions") or any(v is not None for v in extra.values())
+                    or getattr(base, "_gl_name", None) != base.name or 0 in self.shape
+                    or _distributed_client_active()):
+                return getattr(super(), op)(axis=axis, keepdims=keepdims, **kwargs)
+            return _streamed(base, op, axis, keepdims, int(kwargs.get("ddof", 0)), cast)
+
         def _fast_path_ok(self, kwargs: dict) -> bool:
             if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
                 return False
@@ -335,6 +389,61 @@ def _array_class() -> type:
     GpulazyArray.__module__ = __name__
     GpulazyArray.__qualname__ = "GpulazyArray"
     return GpulazyArray
+
+
+def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:
+    """A one-task dask array: ``op`` of ``base`` (cast to ``cast`` first) folded as its chunks are read."""
+    import dask.array as da
+    from dask._task_spec import DataNode, Task
+    from dask.array.utils import validate_axis
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    from gpulazy.read.reduce import reduce_stream, result_dtype
+
+    ndim = base.ndim
+    if axis is None:
+        axis = tuple(range(ndim))
+    elif not isinstance(axis, tuple):
+        axis = (axis,)
+    axis = tuple(sorted({validate_axis(a, ndim) for a in axis}))
+    shape = tuple(1 if a in axis else n for a, n in enumerate(base.shape)) if keepdims else tuple(
+        n for a, n in enumerate(base.shape) if a not in axis)
+    dtype = result_dtype(op, base.dtype, ndim, axis, cast)
+    name = f"{op}-streamed-" + tokenize(base.name, op, axis, keepdims, ddof, None if cast is None else str(cast))
+    key = (name,) + (0,) * len(shape)
+    task = Task(key, reduce_stream, DataNode(None, base._gl_specs), base._gl_source, DataNode(None, base.chunks),
+                base.dtype, op, DataNode(None, axis), keepdims, ddof, cast)
+    graph = HighLevelGraph.from_collections(name, {key: task}, dependencies=[])
+    return da.Array(graph, name, tuple((n,) for n in shape), meta=get_device(base._gl_source.device).meta(
+        len(shape), dtype))
+
+
+def _active_callbacks(kwargs: dict) -> bool:
+    from gpulazy._hooks import active_callbacks
+
+    return bool(active_callbacks(kwargs.get("callbacks")))
+
+
+def _box(arr: Any, index: Any) -> tuple[tuple[int, int], ...] | None:
+    """``(start, stop)`` per axis when ``index`` is step-1 slices selecting a non-empty box, else ``None``."""
+    if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
+        return None
+    from dask.array.slicing import normalize_index
+
+    try:
+        index = normalize_index(index, arr.shape)
+    except Exception:
+        return None
+    if len(index) != arr.ndim or not all(isinstance(ix, slice) for ix in index):
+        return None
+    region = []
+    for ix, n in zip(index, arr.shape):
+        start, stop, step = ix.indices(n)
+        if step != 1 or start >= stop:
+            return None
+        region.append((start, stop))
+    return tuple(region)
 
 
 def _aligned_blocks(arr: Any, index: Any) -> tuple[range, ...] | None:

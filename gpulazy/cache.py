@@ -351,6 +351,34 @@ class DeviceCache:
                         entry.pins -= 1
         return out
 
+    def visit(self, specs: Iterable[ChunkSpec], use: Callable[[ChunkSpec, Any], None]) -> list[ChunkSpec]:
+        """Call ``use(spec, array)`` on each chunk of ``specs`` cached now, in place; the others are returned.
+
+        For readers that only read a chunk (a reduction folding it into its result): no copy
+        is made. ``array`` is the cache's own: ``use`` must not write into it or keep it, and
+        must have finished with it on every stream when it returns (the entry may be evicted
+        right after). Each chunk visited counts as a hit.
+        """
+        specs = list(specs)
+        found: list[_Entry | None] = []
+        with self._lock:
+            for spec in specs:
+                entry = self._entries.get(spec.key)
+                if entry is not None:
+                    self._count_hit(spec.key, entry, None)
+                    entry.pins += 1
+                found.append(entry)
+        try:
+            for spec, entry in zip(specs, found):
+                if entry is not None:
+                    use(spec, entry.array)
+        finally:
+            with self._lock:
+                for entry in found:
+                    if entry is not None:
+                        entry.pins -= 1
+        return [spec for spec, entry in zip(specs, found) if entry is None]
+
     def get_region(self, spec: ChunkSpec, load: Loader, region: tuple, out: Any = None) -> Any:
         """``get(spec, load)[region]`` as the caller's own array, copying only ``region`` on a hit.
 

@@ -92,6 +92,9 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
                    "bytes of chunk reads one batched read task submits at once (0: a read task per chunk)"),
     "read_ahead": (lambda: 1 << 30, parse_bytes,
                    "bytes of batched reads a compute starts ahead of the batch task that runs (0: none)"),
+    "fused_reductions": (lambda: True, _flag,
+                         "max/min/sum/mean/var/std of a gpulazy array (also after astype) run as one task "
+                         "folding each chunk as its read lands (False: dask's per-chunk reduction tree)"),
     "max_chunks": (lambda: 1_000_000, _positive_int,
                    "the most pieces (dask chunks, stored chunks or byte runs) one array is indexed into; opening "
                    "takes ~11 us and ~450 bytes per piece, and more raise LayoutError naming a chunking that fits"),

@@ -168,9 +168,13 @@ def test_fast_path_taken_only_for_plain_local_compute(stack):
 
     with ProgressBar(out=open(os.devnull, "w")):
         assert np.array_equal(vol.compute(), want) and vol.compute_path == "fast"
-    # dask.compute and derived arrays are plain dask.
+    # dask.compute and derived arrays are plain dask; a box off the chunk boundaries keeps a
+    # fast compute of its own, and a reduction is one streamed task.
     assert np.array_equal(dask.compute(vol)[0], want)
-    assert type(vol[1:]) is da.Array and type(vol.sum()) is da.Array
+    assert type(vol[1:] * 1) is da.Array and type(vol.sum()) is da.Array
+    box = vol[1:]
+    assert np.array_equal(box.compute(), want[1:]) and box.compute_path == "fast"
+    assert box.chunk_index is None  # not the files' own chunks: no fast whole-array path of its own
 
 
 def test_fast_path_reads_into_one_result_and_counts_reads(stack):
@@ -214,9 +218,11 @@ def test_slices_on_chunk_boundaries_stay_gpulazy_arrays_with_the_fast_path(stack
     part = vol[index]
     aligned = all(s.start in e and s.stop in e for s, e in zip(index, edges))
     whole = all(s == slice(0, n) for s, n in zip(index, vol.shape))
-    assert isinstance(part, GpulazyArray) == aligned, index
+    assert isinstance(part, GpulazyArray), index  # on the edges: the chunks' own array; off them: a box
+    assert (part.chunk_index is not None) == aligned, index
     got = part.compute()
     assert np.array_equal(got, want[index]) and got.shape == want[index].shape
+    assert part.compute_path == "fast"
     if aligned:
         assert part.compute_path == "fast" and part.chunk_index is not None
         assert part.chunk_index.shape == want[index].shape and (whole or part.name != vol.name)

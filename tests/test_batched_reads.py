@@ -25,6 +25,14 @@ from gpulazy.spec import ByteRange
 from conftest import to_host
 
 
+@pytest.fixture(autouse=True)
+def _dask_reductions():
+    """These tests drive dask's per-chunk read path with reductions; the streamed reductions
+    (``gpulazy.read.reduce``, the default) are tested in tests/test_reduce.py."""
+    with gpulazy.config.set(fused_reductions=False):
+        yield
+
+
 def _planes(tmp_path, n=8, shape=(4, 6), dtype="<u2"):
     data = (np.arange(n * shape[0] * shape[1]) * 7 % 1000).astype(dtype).reshape(n, *shape)
     paths = []

@@ -248,6 +248,7 @@ def chunked_specs(path: str, data: np.ndarray, chunk: int, codec) -> tuple[dict,
 
 def test_read_whole_decodes_in_batches_overlapping_reads(tmp_path, monkeypatch):
     import gpulazy.codecs
+    import gpulazy.read.decode
     import gpulazy.read.engine
     import gpulazy.read.whole
     from gpulazy.array import ChunkSource, read_whole

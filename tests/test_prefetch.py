@@ -27,6 +27,14 @@ from gpulazy.testing import wait_for_idle as wait_idle
 from conftest import to_host
 
 
+@pytest.fixture(autouse=True)
+def _dask_reductions():
+    """These tests drive dask's per-chunk read path with reductions; the streamed reductions
+    (``gpulazy.read.reduce``, the default) are tested in tests/test_reduce.py."""
+    with gpulazy.config.set(fused_reductions=False):
+        yield
+
+
 def specs_of(sizes):
     """One 1-D uint8 chunk per size, each a distinct byte range of a notional file."""
     out, offset = [], 0

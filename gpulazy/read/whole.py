@@ -20,7 +20,7 @@ import numpy as np
 from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_all", "GROUP", "STAGED"]
+__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "GROUP", "STAGED"]
 
 GROUP = 256 << 20
 STAGED = 512 << 20
@@ -63,41 +63,127 @@ def read_whole(specs: dict, source: Any, chunks: tuple, dtype: Any, order: str =
     return out
 
 
+def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tuple[tuple[int, int], ...],
+                order: str = "C") -> Any:
+    """The box ``region`` (``(start, stop)`` per axis) of the array ``specs`` describes, read into one array.
+
+    A chunk wholly inside the box reads straight into its slice of the result; a chunk the
+    box cuts reads into an array of its own (from the cache when it is there), whose overlap
+    is copied in as it lands. Chunks outside the box are not read.
+    """
+    from gpulazy.integrity import check_all_unchanged
+    from gpulazy.memory import retry_on_oom
+
+    dev = get_device(source.device)
+    cache = source.cache_instance()
+    shape = tuple(b - a for a, b in region)
+    edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
+    with dev.activate():
+        out = retry_on_oom(lambda: dev.alloc(shape, dtype, order), device=dev,
+                           nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
+    needed = [spec for spec in specs.values() if all(
+        edges[a][i] < hi and edges[a][i + 1] > lo for a, (i, (lo, hi)) in enumerate(zip(spec.index, region)))]
+    check_all_unchanged(needed)
+    todo: list[tuple[ChunkSpec, Any]] = []
+    cuts: dict[str, tuple] = {}
+    with dev.activate():
+        for spec in needed:
+            src, dst, whole = _overlap(spec.index, edges, region)
+            if whole:
+                view = out[dst + (Ellipsis,)]
+                if not (cache is not None and cache.read_into(spec, view)):
+                    todo.append((spec, view))
+                continue
+            cuts[spec.key] = (src, dst)
+            hit = cache.get_cached([spec])[0] if cache is not None else None
+            if hit is not None:
+                _copy_part(out, dst, hit, src, dev)
+            else:
+                todo.append((spec, None))
+
+        def landed(spec: ChunkSpec, arr: Any) -> None:
+            if spec.key in cuts:
+                src, dst = cuts[spec.key]
+                _copy_part(out, dst, arr, src, dev)
+
+        read_in_order(todo, source.backend_instance(), source.verify, landed, STAGED)
+    check_all_unchanged(needed)  # written to during the reads: bytes may be mixed
+    return out
+
+
+def _overlap(index: tuple, edges: list, region: tuple) -> tuple[tuple, tuple, bool]:
+    """``(slices in the chunk, slices in the result, whether the chunk lies wholly inside)``."""
+    src, dst, whole = [], [], True
+    for a, (i, (lo, hi)) in enumerate(zip(index, region)):
+        c0, c1 = edges[a][i], edges[a][i + 1]
+        s0, s1 = max(c0, lo), min(c1, hi)
+        src.append(slice(s0 - c0, s1 - c0))
+        dst.append(slice(s0 - lo, s1 - lo))
+        whole = whole and s0 == c0 and s1 == c1
+    return tuple(src), tuple(dst), whole
+
+
+def _copy_part(out: Any, dst: tuple, chunk: Any, src: tuple, dev: Any) -> None:
+    from gpulazy.device import own_stream
+    from gpulazy.read.decode import count
+
+    with own_stream(dev):  # waited for: the chunk goes back to the pool only after the copy
+        out[dst + (Ellipsis,)] = chunk[src + (Ellipsis,)]
+    count("copies")
+
+
 def _read_in_groups(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool, hooks: Any, name: str) -> None:
-    """Read ``todo``'s chunks into their views, a submission per group, staged bytes bounded."""
+    """Read ``todo``'s chunks into their views (hooks told as each lands)."""
+    def landed(spec: ChunkSpec, view: Any) -> None:
+        if hooks:
+            hooks.posttask((name, *spec.index), view)
+
+    read_in_order(todo, backend, verify, landed, STAGED)
+
+
+def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool, landed: Any, limit: int) -> None:
+    """Read ``todo``'s chunks in order, a submission per ``GROUP`` bytes, calling ``landed(spec, arr)``
+    for each as its submission is finished (in order).
+
+    A destination of ``None`` is allocated by the engine. Bytes held by chunks not yet handed
+    to ``landed`` (stored bytes waiting to decode, arrays the engine allocated) stay within
+    ``limit``: the oldest submission is finished before the next would pass it, so reading the
+    next submissions overlaps what ``landed`` does with this one. The first error is raised
+    once every submitted read has settled; ``landed`` is not called after it.
+    """
     from gpulazy.read.engine import start
 
     inflight: deque = deque()
-    staged = 0
+    held = 0
     errors: list[BaseException] = []
 
     def finish(entry: tuple) -> int:
         reads, group, nbytes = entry
         reads.settle()
-        for k, (spec, view) in enumerate(group):
+        for k, (spec, _) in enumerate(group):
             try:
-                reads.chunk(k)
+                arr = reads.chunk(k)
             except BaseException as e:  # kept; raised once every read has settled
                 errors.append(e)
                 continue
-            if hooks:
-                hooks.posttask((name, *spec.index), view)
+            if not errors:
+                landed(spec, arr)
         return nbytes
 
     for group in _groups(todo):
         if errors:
             break
-        nbytes = sum(_staged_bytes(spec, view) for spec, view in group)
-        while inflight and staged + nbytes > STAGED:
-            staged -= finish(inflight.popleft())
+        nbytes = sum(_held_bytes(spec, dest) for spec, dest in group)
+        while inflight and held + nbytes > limit:
+            held -= finish(inflight.popleft())
         try:
-            reads = start([s for s, _ in group], backend, [v for _, v in group], verify=verify, staged=False,
+            reads = start([s for s, _ in group], backend, [d for _, d in group], verify=verify, staged=False,
                           check=False)
         except BaseException as e:
             errors.append(e)
             break
         inflight.append((reads, group, nbytes))
-        staged += nbytes
+        held += nbytes
     while inflight:
         finish(inflight.popleft())
     if errors:
@@ -118,13 +204,16 @@ def _groups(todo: list[tuple[ChunkSpec, Any]]) -> list[list[tuple[ChunkSpec, Any
     return [g for g in groups if g]
 
 
-def _staged_bytes(spec: ChunkSpec, view: Any) -> int:
-    """Bytes a chunk holds in a buffer of its own until it is finished (0 when it lands in place)."""
+def _held_bytes(spec: ChunkSpec, dest: Any) -> int:
+    """Bytes a chunk holds until it is handed on: its stored bytes when they land in a buffer of
+    their own, and its array when the engine allocates it (0 for a read landing in place)."""
     from gpulazy.read.engine import byte_view
 
+    if dest is None:
+        return spec.out_nbytes + (spec.nbytes if spec.is_assembled else 0)
     if spec.is_assembled:
         return spec.nbytes
-    flat = byte_view(view, spec.order)
+    flat = byte_view(dest, spec.order)
     return 0 if flat is not None and flat.nbytes == spec.nbytes else spec.nbytes
 
 

@@ -52,7 +52,8 @@ CHANGES = {"rewritten-in-place": _rewrite_keeping_mtime, "replaced": _replace_ke
 COMPUTES = {
     "whole-array": lambda v: v.compute(),
     "dask-sync": lambda v: v.sum(axis=1).compute(scheduler="sync"),
-    "dask-threads": lambda v: v[2:7].compute(scheduler="threads"),
+    "dask-threads": lambda v: (v[2:7] * 1).compute(scheduler="threads"),
+    "box": lambda v: v[2:7].compute(scheduler="threads"),  # read alone, as the whole array is
 }
 
 
@@ -72,7 +73,7 @@ def _vol(path):
 
 def _expected(how, value):
     full = np.full(SHAPE, value, dtype="<u2")
-    return {"whole-array": full, "dask-sync": full.sum(axis=1), "dask-threads": full[2:7]}[how]
+    return {"whole-array": full, "dask-sync": full.sum(axis=1), "dask-threads": full[2:7], "box": full[2:7]}[how]
 
 
 @pytest.mark.timeout(60)
@@ -112,7 +113,7 @@ def test_new_from_files_reads_the_new_bytes_through_the_default_cache(raw, chang
     first = _vol(raw)
     np.testing.assert_array_equal(COMPUTES[how](first), _expected(how, 1))
     assert COMPUTES[how](first) is not None  # second compute: served from the default cache
-    assert default_cache("cpu").stats()["entries"] > 0 or how == "whole-array"
+    assert default_cache("cpu").stats()["entries"] > 0 or how in ("whole-array", "box")
     CHANGES[change](raw, 2)
     second = _vol(raw)
     assert second.name != first.name

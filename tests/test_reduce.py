@@ -1,0 +1,167 @@
+"""Reductions that run as the reads land (``gpulazy.read.reduce``) equal NumPy's, over any chunking.
+
+``vol.max/min/sum/mean/var/std`` (also after ``vol.astype(...)``) build one task that reads
+every chunk through the engine and folds it into the result as it lands; dask's per-chunk
+tree is what ``config fused_reductions=False`` (or an unsupported argument) gives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import gpulazy
+from gpulazy.errors import ChunkReadError
+
+from conftest import to_host
+
+OPS = ["max", "min", "sum", "mean", "var", "std"]
+
+
+@st.composite
+def layouts(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
+    chunks = tuple(draw(st.integers(1, n)) for n in shape)
+    axes = draw(st.one_of(st.none(), st.sampled_from(range(-ndim, ndim)),
+                          st.sets(st.integers(0, ndim - 1), min_size=1).map(tuple)))
+    return shape, chunks, axes
+
+
+def _vol(tmp_path, data, chunks, cache=False, device="cpu"):
+    p = str(tmp_path / "v.raw")
+    data.tofile(p)
+    return gpulazy.from_files(p, shape=data.shape, dtype=data.dtype.str, chunks=chunks, device=device, cache=cache)
+
+
+@given(layout=layouts(), op=st.sampled_from(OPS), dtype=st.sampled_from(["<u2", ">i4", "<f4", "u1"]),
+       keepdims=st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_streamed_reduction_equals_numpy(tmp_path_factory, layout, op, dtype, keepdims):
+    shape, chunks, axes = layout
+    data = np.random.default_rng(0).integers(0, 200, shape).astype(dtype)
+    vol = _vol(tmp_path_factory.mktemp("r"), data, chunks)
+    r = getattr(vol, op)(axis=axes, keepdims=keepdims)
+    assert "streamed" in r.name and len(r.__dask_graph__()) == 1  # one task, not dask's tree
+    want = getattr(np, op)(data, axis=axes, keepdims=keepdims)
+    got = r.compute()
+    assert r.dtype == want.dtype and np.asarray(got).dtype == want.dtype
+    assert got.shape == want.shape
+    if op in ("max", "min") or np.dtype(dtype).kind in "ui" and op == "sum":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_std_with_ddof_and_a_cast(tmp_path, ddof):
+    data = np.random.default_rng(1).normal(1000, 3, (12, 7, 5)).astype("<f4")
+    vol = _vol(tmp_path, data, (5, 3, 5))
+    np.testing.assert_allclose(vol.std(axis=(0, 2), ddof=ddof).compute(), data.std(axis=(0, 2), ddof=ddof),
+                               rtol=1e-5)
+    s = vol.astype("f8").sum()
+    assert "streamed" in s.name
+    assert s.compute() == pytest.approx(data.astype("f8").sum(), rel=1e-12)
+    assert vol.astype("f8").dtype == np.float64
+    np.testing.assert_array_equal(vol.astype("f8").compute(), data.astype("f8"))
+
+
+def test_hits_come_from_the_cache_and_misses_are_read_once(tmp_path):
+    data = np.arange(8 * 6 * 4, dtype="<u2").reshape(8, 6, 4)
+    cache = gpulazy.DeviceCache("1 MiB", device="cpu")
+    vol = _vol(tmp_path, data, (2, 6, 4), cache=cache)
+    vol[2:4].map_blocks(lambda b: b).compute(scheduler="sync")  # one chunk cached
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    np.testing.assert_array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == 3 * data[:2].nbytes  # the 3 others
+    assert cache.stats()["hits"] == 1
+    cache.close()
+
+
+def test_dask_reduces_when_asked_or_when_the_arguments_need_it(tmp_path):
+    data = np.arange(60, dtype="<u2").reshape(6, 10)
+    vol = _vol(tmp_path, data, (2, 5))
+    with gpulazy.config.set(fused_reductions=False):
+        r = vol.max(axis=0)
+        assert "streamed" not in r.name
+        np.testing.assert_array_equal(r.compute(), data.max(axis=0))
+    r = vol.sum(dtype="f4")  # an accumulation dtype: dask's own
+    assert "streamed" not in r.name and r.compute() == data.sum(dtype="f4")
+    vol2 = vol.copy()
+    vol2[0, 0] = 7  # changed in place: no longer the files
+    assert "streamed" not in vol2.max().name and vol2.max().compute() == max(7, data.max())
+
+
+def test_a_damaged_file_raises_with_its_path(tmp_path):
+    data = np.arange(4 * 8, dtype="<u2").reshape(4, 8)
+    vol = _vol(tmp_path, data, (1, 8))
+    p = str(tmp_path / "v.raw")
+    with open(p, "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(ChunkReadError) as e:
+        vol.mean().compute()
+    assert p in str(e.value)
+
+
+def test_a_compressed_store_streams_too(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    data = np.random.default_rng(3).integers(0, 4000, (10, 12, 9)).astype("<u2")
+    p = str(tmp_path / "v.zarr")
+    z = zarr.create_array(p, shape=data.shape, chunks=(3, 5, 9), dtype=data.dtype, compressors=ZstdCodec(level=1))
+    z[...] = data
+    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    np.testing.assert_array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+    np.testing.assert_allclose(vol.mean(axis=(1, 2)).compute(), data.mean(axis=(1, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_streamed_reductions_on_the_gpu(tmp_path, op):
+    data = np.random.default_rng(4).integers(0, 60000, (33, 64, 48)).astype("<u2")
+    vol = _vol(tmp_path, data, (8, 32, 48), device="cuda:0")
+    for axes in (None, 0, (1, 2)):
+        got = to_host(getattr(vol, op)(axis=axes).compute())
+        want = getattr(np, op)(data, axis=axes)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# -- a box off the chunk boundaries: read alone, at the read rate ------------------------------
+
+@st.composite
+def boxes(draw):
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(draw(st.integers(1, 3))))
+    chunks = tuple(draw(st.integers(1, n)) for n in shape)
+    box = []
+    for n in shape:
+        lo = draw(st.integers(0, n - 1))
+        box.append(slice(lo, draw(st.integers(lo + 1, n))))
+    return shape, chunks, tuple(box)
+
+
+@given(layout=boxes(), cached=st.booleans(), dtype=st.sampled_from(["<u2", ">f8"]))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_box_computes_alone_and_equals_the_file(tmp_path_factory, layout, cached, dtype):
+    shape, chunks, box = layout
+    data = np.random.default_rng(5).integers(0, 999, shape).astype(dtype)
+    cache = gpulazy.DeviceCache("1 MiB", device="cpu") if cached else False
+    vol = _vol(tmp_path_factory.mktemp("b"), data, chunks, cache=cache)
+    if cached:
+        vol[tuple(slice(0, c) for c in chunks)].map_blocks(lambda b: b).compute(scheduler="sync")
+        assert cache.stats()["entries"] == 1  # the first chunk cached
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    part = vol[box]
+    got = part.compute()
+    np.testing.assert_array_equal(got, data[box])
+    assert got.dtype == data.dtype.newbyteorder("=")
+    edges = [range(0, n, c) for n, c in zip(shape, chunks)]
+    touched = 1
+    for e, c, s in zip(edges, chunks, box):
+        touched *= sum(1 for lo in e if lo < s.stop and lo + c > s.start)
+    read = gpulazy.stats().snapshot()["bytes_read"] - before
+    assert read <= touched * np.prod(chunks) * data.itemsize  # only the chunks the box meets
+    np.testing.assert_array_equal((part * 1).compute(), data[box] * 1)  # dask's path agrees
+    if cached:
+        cache.close()

@@ -191,3 +191,44 @@ def test_without_a_cache_nothing_is_warmed(volume):
     assert MotionPrefetch(vol).update(0.0, (1, 0, 0), axis=0, displayed=(1, 2))["issued"] == 0
     with pytest.raises(TypeError, match="gpulazy.from_files"):
         MotionPrefetch(np.zeros((2, 2)))
+
+
+def test_claim_drops_queued_reads_and_reads_the_plane_first(volume):
+    path, data = volume
+    gate = threading.Event()
+    loaded = []
+
+    def slow_load(spec):                                                # a disk that is busy
+        gate.wait(10)
+        loaded.append(spec.index)
+        return vol.chunk_source.read(spec)
+
+    with gpulazy.config.set(threads=1):
+        cache = gpulazy.DeviceCache("1 MiB", device="cpu")
+        try:
+            vol = gpulazy.from_files(path, chunks=(1, 8, 8), device="cpu", cache=cache)   # 4 chunks a plane
+            warm = MotionPrefetch(vol, depth=4, load=slow_load)
+            for k in range(3):
+                warm.update(0.1 * k, (k, 0, 0), axis=0, displayed=(1, 2))
+            before = cache.stats()
+            queued, totals = before["queued"], dict(warm.totals)
+            assert queued >= 8                                          # planes 3.. wait behind the gate
+            landing = plane_specs(vol.chunks, vol.chunk_index.specs, (50, None, None))
+            dropped = warm.claim(landing[1:])                           # the viewer reads landing[0] itself
+            s = cache.stats()
+            assert dropped == queued and s["queued"] == 3 and s["cancelled"] - before["cancelled"] == queued
+            assert warm.totals["claims"] == 1 and warm.totals["cancelled"] - totals["cancelled"] == queued
+            gate.set()
+            wait_idle(cache)
+            # At most the read already running when the gate closed, then the plane's chunks first.
+            assert all(i[0] < 4 for i in loaded[:-3]) and len(loaded) <= 4, loaded
+            assert loaded[-3:] == [s.index for s in landing[1:]]
+            for s in landing[1:]:
+                np.testing.assert_array_equal(cache.get(s, vol.chunk_source.read),
+                                              data[50:51, s.index[1] * 8:(s.index[1] + 1) * 8,
+                                                   s.index[2] * 8:(s.index[2] + 1) * 8])
+            r = warm.update(0.5, (50, 0, 0), axis=0, displayed=(1, 2))  # the step event, after the plane
+            assert r["jump"] and r["cancelled"] == 0                     # nothing stale was left queued
+        finally:
+            gate.set()
+            cache.close()

@@ -8,7 +8,8 @@ viewer will most likely ask for next. ``MotionPrefetch`` turns those planes into
 chunks of a gpulazy array and warms them into its device cache with the same window
 rule as ``gpulazy.prefetch`` (``ReadAheadPlan``: at most half the cache's capacity
 warmed and not yet shown), cancelling queued reads that left the window — all of them
-on a jump.
+on a jump. ``MotionPrefetch.claim`` puts the chunks of a plane the viewer is reading now,
+and finds neither cached nor on their way, ahead of all of that.
 
 Pure Python; no viewer is imported. ``napari_gpulazy`` feeds it from
 ``viewer.dims.events.current_step``.

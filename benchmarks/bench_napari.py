@@ -9,7 +9,7 @@ which reads the plane (``np.asarray(data[z])``). Two ways of opening the same fi
 - **gpulazy**: the plugin reader (``napari_gpulazy.read_layers``) on ``--device``: chunks
   read into the device cache, only the shown plane copied to the host;
 - **dask**: ``da.from_array(np.memmap(...), chunks=<the same chunks>)`` handed to napari,
-  as users do today (napari's own dask cache on, as by default).
+  as users do today (napari's own dask cache on, as by default; emptied before each cold pass).
 
 Passes, each from plane ``--start`` forward at ``--rate`` planes/s for ``--steps`` planes,
 then a jump to ``--jump-to`` and ``--after-jump`` more steps:
@@ -292,6 +292,10 @@ def one_pass(viewer: Any, layer: Any, cache: Any, name: str, path: str, args: ar
     if name != "cached":
         if cache is not None:
             cache.clear()
+        else:  # plain dask: napari's own dask cache would serve the repeats of a cold pass
+            from napari.utils import resize_dask_cache
+
+            resize_dask_cache().cache.clear()
         if args.drop_page_cache:
             run["resident_after_drop"] = drop_volume_pages(path, args.resident_max)
     if name == "prefetch":

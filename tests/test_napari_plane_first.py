@@ -180,3 +180,39 @@ def test_a_pyramid_level_larger_than_the_read_ahead_share_is_not_warmed(tmp_path
         assert s["queued"] == s["in_flight"] == s["prefetched"] == s["entries"] == 0
     finally:
         small.close()
+
+
+# -- on a GPU (skipped, visibly, without one) ----------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_plane_first_part_reads_and_coarsest_level(model, tmp_path):
+    import napari_gpulazy
+
+    data = np.random.default_rng(11).random((32, 64, 48), dtype="f4").astype(">f4")  # swapped on the device
+    p = str(tmp_path / "g.npy")
+    np.save(p, data)
+    cache = gpulazy.DeviceCache("64 MiB", device="cuda:0")
+    try:
+        hook = napari_gpulazy.attach(model, depth=2)
+        view, kwargs = _layer_of(p, cache, device="cuda:0", chunks=(8, 64, 48))   # 8 planes a chunk
+        layer = model.add_image(view, **kwargs)
+        for z in (1, 2, 25):                                                # 25: a jump
+            model.dims.set_current_step(0, z)
+            np.testing.assert_array_equal(_shown(layer), data[z])
+        assert view.transfers.part_reads >= 2 and hook.errors == 0, hook.last_error   # planes 16 and 1 at least
+        wait_idle(cache)
+        np.testing.assert_array_equal(np.asarray(view[26, 5:40, 3:30]), data[26, 5:40, 3:30])  # cached chunks
+        full = np.random.default_rng(12).random((4, 32, 32), dtype="f4")
+        half = full.reshape(4, 16, 2, 16, 2).mean(axis=(2, 4))
+        _write_ome_zarr(str(tmp_path / "pyr.ome.zarr"), [full, half], scale=(1.0, 1.0, 1.0))
+        from napari_gpulazy import read_layers
+
+        ((levels, _, _),) = read_layers(str(tmp_path / "pyr.ome.zarr"), device="cuda:0", cache=cache,
+                                        contrast_limits=(0, 1), prefetch=False)
+        wait_idle(cache)
+        cache.reset_stats()
+        np.testing.assert_array_equal(np.asarray(levels[1][:]), half)
+        assert cache.stats()["misses"] == 0
+    finally:
+        napari_gpulazy.detach(model)
+        cache.close()

@@ -65,7 +65,7 @@ def test_tiny_run_checks_every_pixel_drops_the_page_cache_and_compares(bench, tm
     assert r["targets"]["page_cache"] == "dropped"
     assert r["targets"]["dask_p95_ms"] == r["dask"]["cold"]["forward"]["p95_ms"]
     assert "page cache dropped: prefetch forward p95" in capsys.readouterr().out
-    assert not os.path.exists(os.path.join(tmp_path, "bench-napari-16x64x64-4x32x32.zarr"))   # not --keep
+    assert not os.path.exists(os.path.join(tmp_path, "bench-napari-16x64x64-4x32x32-v2.zarr"))   # not --keep
 
 
 def test_presets_set_the_gpu_volumes_and_flags_win(bench, monkeypatch):

@@ -12,15 +12,14 @@ import pytest
 
 pytest.importorskip("napari", reason="the napari extra is not installed")
 
-BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_napari.py")
+BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_napari", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    with pytest.MonkeyPatch.context() as mp:  # benchmarks/ is no package: on the path while imported
+        mp.syspath_prepend(BENCHMARKS)
+        return importlib.import_module("bench_napari")
 
 
 def _read_all(files):

@@ -43,6 +43,13 @@ def _layer_of(path, cache, **kw):
     return view, kwargs
 
 
+def _pyramid(tmp_path, name, full):
+    """An OME-Zarr store of ``full`` and its 2 x 2 mean; the half level."""
+    half = full.reshape(4, 16, 2, 16, 2).mean(axis=(2, 4))
+    _write_ome_zarr(str(tmp_path / name), [full, half], scale=(1.0, 1.0, 1.0))
+    return str(tmp_path / name), half
+
+
 def _zarr_view(tmp_path, shape, cache, seed):
     """A Zarr v2 store (default compressor) in (4, 16, 16) chunks, opened in the same chunks."""
     zarr = pytest.importorskip("zarr")
@@ -153,10 +160,7 @@ def test_a_jump_in_the_viewer_claims_the_landing_plane(model, volume):
 def test_a_stored_pyramid_s_coarsest_level_is_warmed_at_open(tmp_path, cache):
     from napari_gpulazy import read_layers
 
-    full = np.random.default_rng(10).random((4, 32, 32), dtype="f4")
-    half = full.reshape(4, 16, 2, 16, 2).mean(axis=(2, 4))
-    p = str(tmp_path / "pyr.ome.zarr")
-    _write_ome_zarr(p, [full, half], scale=(1.0, 1.0, 1.0))
+    p, half = _pyramid(tmp_path, "pyr.ome.zarr", np.random.default_rng(10).random((4, 32, 32), dtype="f4"))
     ((levels, _, _),) = read_layers(p, cache=cache, contrast_limits=(0, 1), prefetch=False)
     s = wait_idle(cache)
     coarse = list(levels[1].array.chunk_index.specs.values())
@@ -170,9 +174,7 @@ def test_a_stored_pyramid_s_coarsest_level_is_warmed_at_open(tmp_path, cache):
 def test_a_pyramid_level_larger_than_the_read_ahead_share_is_not_warmed(tmp_path):
     from napari_gpulazy import read_layers
 
-    full = np.zeros((4, 32, 32), dtype="f4")
-    p = str(tmp_path / "big.ome.zarr")
-    _write_ome_zarr(p, [full, full.reshape(4, 16, 2, 16, 2).mean(axis=(2, 4))], scale=(1.0, 1.0, 1.0))
+    p, _ = _pyramid(tmp_path, "big.ome.zarr", np.zeros((4, 32, 32), dtype="f4"))
     small = gpulazy.DeviceCache(4 * 16 * 16 * 4, device="cpu")          # the level is all of it: > half
     try:
         read_layers(p, cache=small, contrast_limits=(0, 1), prefetch=False)
@@ -202,13 +204,10 @@ def test_gpu_plane_first_part_reads_and_coarsest_level(model, tmp_path):
         assert view.transfers.part_reads >= 2 and hook.errors == 0, hook.last_error   # planes 16 and 1 at least
         wait_idle(cache)
         np.testing.assert_array_equal(np.asarray(view[26, 5:40, 3:30]), data[26, 5:40, 3:30])  # cached chunks
-        full = np.random.default_rng(12).random((4, 32, 32), dtype="f4")
-        half = full.reshape(4, 16, 2, 16, 2).mean(axis=(2, 4))
-        _write_ome_zarr(str(tmp_path / "pyr.ome.zarr"), [full, half], scale=(1.0, 1.0, 1.0))
+        pyr, half = _pyramid(tmp_path, "pyr.ome.zarr", np.random.default_rng(12).random((4, 32, 32), dtype="f4"))
         from napari_gpulazy import read_layers
 
-        ((levels, _, _),) = read_layers(str(tmp_path / "pyr.ome.zarr"), device="cuda:0", cache=cache,
-                                        contrast_limits=(0, 1), prefetch=False)
+        ((levels, _, _),) = read_layers(pyr, device="cuda:0", cache=cache, contrast_limits=(0, 1), prefetch=False)
         wait_idle(cache)
         cache.reset_stats()
         np.testing.assert_array_equal(np.asarray(levels[1][:]), half)

@@ -47,6 +47,10 @@ class Transfers:
             self.bytes += int(nbytes)
             self.largest = max(self.largest, int(nbytes))
 
+    def add_part_read(self) -> None:
+        with self._lock:
+            self.part_reads += 1
+
     def reset(self) -> None:
         with self._lock:
             self.count = self.bytes = self.largest = self.part_reads = 0
@@ -214,7 +218,7 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
         with own_stream(dev):
             out[at] = chunk[sub_region]
         if transfers is not None:
-            transfers.part_reads += 1
+            transfers.add_part_read()
     if parts:
         cache.prefetch([p[0] for p in uncached if id(p) in parts], source.read)  # warmed behind the plane
     return out

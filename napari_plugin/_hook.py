@@ -1,9 +1,14 @@
 """Motion-aware prefetch in a viewer: ``viewer.dims`` events feed ``gpulazy.prefetch.motion``.
 
 ``attach(viewer)`` connects one ``ViewerPrefetch`` to ``viewer.dims.events.current_step``
-(after napari's own slicing, so the plane on screen is read first). On each step it
+(napari runs its own slicing first, whatever position a plugin asks for). On each step it
 finds the axis that moved and, for every layer whose data is a gpulazy ``HostView``,
 hands the layer's position in its data to that array's ``MotionPrefetch``.
+
+The plane on screen comes first even when read-ahead has not got there (a jump): the
+layer's views get the warmer's ``claim``, which the plane's read calls *before* it waits on
+chunks that are neither cached nor on their way; it drops the warmer's queued reads and
+puts the plane's chunks at the head of the queue (``_view._read_box``).
 
 Works on a ``ViewerModel`` as on a ``Viewer``; imports no Qt.
 """
@@ -52,6 +57,7 @@ class ViewerPrefetch:
         self._depth = depth
         self._last = tuple(viewer.dims.current_step)
         self._warmers: dict[int, tuple[Any, MotionPrefetch]] = {}  # id(array) -> (array, warmer)
+        self._claimed: dict[int, weakref.ref] = {}  # id(view) -> view handed a warmer's ``claim``
         self.last_result: dict[str, Any] = {}
         self.errors = 0
         self.last_error: str | None = None
@@ -73,7 +79,7 @@ class ViewerPrefetch:
 
     def totals(self) -> dict[str, int]:
         """Events, jumps, chunk reads issued and cancelled, summed over the layers."""
-        out = {"events": 0, "jumps": 0, "issued": 0, "cancelled": 0}
+        out = {"events": 0, "jumps": 0, "issued": 0, "cancelled": 0, "claims": 0}
         for _, warmer in self._warmers.values():
             for k in out:
                 out[k] += warmer.totals[k]
@@ -83,6 +89,11 @@ class ViewerPrefetch:
         viewer = self.viewer
         if viewer is not None:
             viewer.dims.events.current_step.disconnect(self._on_step)
+        for ref in self._claimed.values():
+            view = ref()
+            if view is not None:
+                view.claim = None  # detached: a plane read no longer touches the read-ahead
+        self._claimed.clear()
         for _, warmer in self._warmers.values():
             warmer.stop()
         self._warmers.clear()
@@ -123,6 +134,7 @@ class ViewerPrefetch:
             arr = view.target
             live.add(id(arr))
             warmer = self._warmer(arr)
+            self._hand_claim(layer, arr, warmer)
             here = self._index_in(layer, arr, point)
             result[layer.name] = warmer.update(t, here, axis=axis, displayed=shown)
         for key in [k for k in self._warmers if k not in live and not self._in_layers(viewer, k)]:
@@ -134,6 +146,16 @@ class ViewerPrefetch:
         if entry is None or entry[0] is not arr:
             entry = self._warmers[id(arr)] = (arr, MotionPrefetch(arr, depth=self._depth))
         return entry[1]
+
+    def _hand_claim(self, layer: Any, arr: Any, warmer: MotionPrefetch) -> None:
+        """Give the layer's views of ``arr`` the warmer's ``claim`` (the plane first on a jump)."""
+        from napari_gpulazy._view import HostView
+
+        views = list(layer.data) if getattr(layer, "multiscale", False) else [layer.data]
+        for v in views:
+            if isinstance(v, HostView) and v.target is arr and v.claim != warmer.claim:
+                v.claim = warmer.claim
+                self._claimed[id(v)] = weakref.ref(v)
 
     @staticmethod
     def _index_in(layer: Any, arr: Any, point: np.ndarray) -> list[int]:

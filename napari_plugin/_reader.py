@@ -6,7 +6,9 @@ never raises. The reader function it returns opens the data lazily with
 ``gpulazy.multiscale``: a stored pyramid (OME-Zarr, OME-TIFF) becomes a multiscale layer
 with its ``scale`` and axis names; large planes without one get a lazy pyramid built on
 the device (``_view.pyramid``). Nothing is read but the small sample that sets the contrast
-limits (``_contrast``); an HDF5 file gives a layer per image-like dataset.
+limits (``_contrast``) and, for a stored pyramid, its coarsest level, warmed into the device
+cache in the background as the layer is made (``warm_coarsest``: a 3-D view or a zoom-out
+then shows at once); an HDF5 file gives a layer per image-like dataset.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-__all__ = ["napari_get_reader", "read_layers", "resolve_target", "axis_labels"]
+__all__ = ["napari_get_reader", "read_layers", "resolve_target", "axis_labels", "warm_coarsest"]
 
 SIDECAR_SUFFIX = ".json"
+#: A stored pyramid's coarsest level is warmed at open when it is at most this large (and at
+#: most the read-ahead's share of the cache, ``gpulazy.prefetch.plan.CACHE_FRACTION``).
+WARM_COARSEST_BYTES = 256 << 20
 
 
 def napari_get_reader(path: Any) -> Callable[[Any], list[tuple]] | None:
@@ -176,6 +181,7 @@ def _read_layer(target: str | list[str], opts: dict[str, Any], *, device: Any, c
         targets = [base] * len(levels)
     else:
         targets = levels
+        warm_coarsest(levels[-1])
     views = [HostView(a, label=label, target=t) for a, t in zip(levels, targets)]
     for v in views[1:]:
         v.transfers = views[0].transfers  # one counter per layer
@@ -183,6 +189,23 @@ def _read_layer(target: str | list[str], opts: dict[str, Any], *, device: Any, c
     if not kwargs["rgb"]:  # colour keeps napari's limits (0-255 for 8 bits: the colours as stored)
         _set_contrast(kwargs, levels, stored_pyramid, contrast_limits)
     return (views if len(views) > 1 else views[0], kwargs, "image")
+
+
+def warm_coarsest(level: Any, *, limit: int = WARM_COARSEST_BYTES) -> int:
+    """Start reading every chunk of ``level`` (a gpulazy array) into its device cache; how many.
+
+    Returns at once: the cache's prefetch threads read the chunks, and a plane asked for
+    meanwhile waits on its chunk's read rather than starting another. Nothing is read when
+    the level is larger than ``limit`` or than the read-ahead's share of the cache, or when
+    it reads through no cache.
+    """
+    from gpulazy.prefetch.plan import CACHE_FRACTION
+
+    source = level.chunk_source
+    cache = source.cache_instance()
+    if cache is None or level.nbytes > min(limit, cache.capacity * CACHE_FRACTION):
+        return 0
+    return cache.prefetch(list(level.chunk_index.specs.values()), source.read)
 
 
 def _set_contrast(kwargs: dict[str, Any], levels: list[Any], stored_pyramid: bool,

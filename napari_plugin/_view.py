@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -37,6 +37,8 @@ class Transfers:
     count: int = 0
     bytes: int = 0
     largest: int = 0
+    #: Boxes read straight from a plain chunk's bytes, not waiting for the whole chunk (``_part_read``).
+    part_reads: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, nbytes: int) -> None:
@@ -45,9 +47,13 @@ class Transfers:
             self.bytes += int(nbytes)
             self.largest = max(self.largest, int(nbytes))
 
+    def add_part_read(self) -> None:
+        with self._lock:
+            self.part_reads += 1
+
     def reset(self) -> None:
         with self._lock:
-            self.count = self.bytes = self.largest = 0
+            self.count = self.bytes = self.largest = self.part_reads = 0
 
 
 class HostView:
@@ -65,6 +71,13 @@ class HostView:
         for a view that is not worth warming (a slice).
     transfers
         The counter shared by a view and its slices.
+
+    Attributes
+    ----------
+    claim
+        ``claim(specs)``, set by the viewer's motion prefetch (``MotionPrefetch.claim``): called
+        before a plane is read whose chunks are neither cached nor on their way; its slices
+        inherit it.
     """
 
     def __init__(self, array: Any, *, label: str, target: Any = None, transfers: Transfers | None = None,
@@ -76,6 +89,7 @@ class HostView:
         #: ``(base, per-axis int or range)`` when this view is a plain box of a gpulazy
         #: array: it is then read chunk by chunk from the cache, without a dask graph.
         self._direct = key
+        self.claim: Callable[[list], Any] | None = None
 
     # -- the array-like surface napari reads ------------------------------------------------
     @property
@@ -106,7 +120,9 @@ class HostView:
 
     def __getitem__(self, key: Any) -> HostView:
         direct = _box(self.array, key) if self._direct is None and self.target is self.array else None
-        return HostView(self.array[key], label=self.label, transfers=self.transfers, key=direct)
+        view = HostView(self.array[key], label=self.label, transfers=self.transfers, key=direct)
+        view.claim = self.claim
+        return view
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         host = self.to_host()
@@ -115,8 +131,10 @@ class HostView:
     def to_host(self) -> np.ndarray:
         """Compute the region on its device and copy just it to the host."""
         try:
-            region = _read_box(*self._direct) if self._direct is not None else \
-                self.array.compute(scheduler="threads")
+            if self._direct is not None:
+                region = _read_box(*self._direct, claim=self.claim, transfers=self.transfers)
+            else:
+                region = self.array.compute(scheduler="threads")
         except Exception as e:
             notify_read_error(self.label, e)
             raise
@@ -149,39 +167,119 @@ def _box(array: Any, key: Any) -> tuple | None:
     return array, out
 
 
-def _read_box(array: Any, box: list) -> Any:
+def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = None,
+              transfers: Transfers | None = None) -> Any:
     """The box of ``array`` (ints drop their axis), its chunks read through the cache.
 
     The result is allocated once, in the caller's memory pool, and each chunk's part of the
     box is copied straight into it on gpulazy's stream (``DeviceCache.get_region(out=)``): one
     copy per chunk, no per-chunk temporaries, and every byte in place when this returns
     (docs/streams.md).
-    """
-    import itertools
 
+    The plane on screen comes first. Chunks of the box that are neither cached nor on their
+    way (a jump, or read-ahead fallen behind) are read at once, together: ``claim(specs)``
+    (the viewer's motion prefetch, ``MotionPrefetch.claim``) drops the read-ahead queued before
+    them, and the cache's prefetch threads read them beside this thread, instead of one after
+    another. A plain chunk (uncompressed, untiled: ``_part_read``) of which the box needs little
+    is not waited for at all: the box's byte range is read straight into the result and the
+    whole chunk is warmed behind it, for the next plane.
+    """
     from gpulazy.device import get_device, own_stream
 
     source = array.chunk_source
     cache = source.cache_instance()
     dev = get_device(source.device)
-    edges = [np.cumsum((0,) + tuple(c)) for c in array.chunks]
-    spans = [range(b, b + 1) if isinstance(b, int) else b for b in box]
-    kept = [not isinstance(b, int) for b in box]  # axes the result keeps
-    out = dev.alloc(tuple(len(s) for s, k in zip(spans, kept) if k), array.dtype)
-    for idx in itertools.product(*(_blocks(e, s) for e, s in zip(edges, spans))):
-        region = tuple(slice(max(s.start, e[i]) - e[i], min(s.stop, e[i + 1]) - e[i])
-                       for s, e, i in zip(spans, edges, idx))
-        at = tuple(slice(e[i] + r.start - s.start, e[i] + r.stop - s.start)
-                   for s, e, i, r, k in zip(spans, edges, idx, region, kept) if k) + (Ellipsis,)  # a view, 0-d too
-        region = tuple(r if k else r.start for r, k in zip(region, kept))
-        spec = array.chunk_index.specs[idx]
-        if cache is not None:
-            cache.get_region(spec, source.read, region, out=out[at])
-        else:
+    pieces, shape = _pieces(array, box)
+    out = dev.alloc(shape, array.dtype)
+    if cache is None:
+        for spec, region, at in pieces:
             chunk = source.read(spec)
             with own_stream(dev):
                 out[at] = chunk[region]
+        return out
+    uncached = [p for p in pieces if PLANE_FIRST and p[0] not in cache]
+    parts = {id(p): part for p in uncached if (part := _part_read(*p[:2])) is not None}
+    # Chunks no one is reading yet (a jump, or read-ahead fallen behind); a plain chunk's part
+    # is read here even while its whole chunk is on its way.
+    absent = [p[0] for p in uncached if not cache.holds(p[0])]
+    whole = [p[0] for p in uncached if id(p) not in parts and not cache.holds(p[0])]
+    if claim is not None and absent:
+        claim(whole[1:])         # this thread reads whole[0]; the cache's threads the rest, first
+    elif len(whole) > 1:
+        cache.prefetch(whole[1:], source.read)
+    for p in pieces:
+        spec, region, at = p
+        part = parts.get(id(p))
+        if part is None:
+            cache.get_region(spec, source.read, region, out=out[at])
+            continue
+        sub, sub_region = part
+        chunk = source.read(sub)
+        with own_stream(dev):
+            out[at] = chunk[sub_region]
+        if transfers is not None:
+            transfers.add_part_read()
+    if parts:
+        cache.prefetch([p[0] for p in uncached if id(p) in parts], source.read)  # warmed behind the plane
     return out
+
+
+def _pieces(array: Any, box: list) -> tuple[list[tuple[Any, tuple, tuple]], tuple[int, ...]]:
+    """``([(spec, region in the chunk, where in the result), ...], result shape)`` for a box."""
+    import itertools
+
+    edges = [np.cumsum((0,) + tuple(c)) for c in array.chunks]
+    spans = [range(b, b + 1) if isinstance(b, int) else b for b in box]
+    kept = [not isinstance(b, int) for b in box]  # axes the result keeps
+    pieces = []
+    for idx in itertools.product(*(_blocks(e, s) for e, s in zip(edges, spans))):
+        region = tuple(slice(int(max(s.start, e[i]) - e[i]), int(min(s.stop, e[i + 1]) - e[i]))
+                       for s, e, i in zip(spans, edges, idx))
+        at = tuple(slice(int(e[i] + r.start - s.start), int(e[i] + r.stop - s.start))
+                   for s, e, i, r, k in zip(spans, edges, idx, region, kept) if k) + (Ellipsis,)  # a view, 0-d too
+        region = tuple(r if k else r.start for r, k in zip(region, kept))
+        pieces.append((array.chunk_index.specs[idx], region, at))
+    return pieces, tuple(len(s) for s, k in zip(spans, kept) if k)
+
+
+#: A box reads its own bytes of a plain chunk only when they are at most this share of the chunk.
+PART_READ_SHARE = 0.5
+#: ``False``: read a box's chunks one after another through the cache, as before the plane
+#: came first (``benchmarks/bench_napari.py --compare`` measures both ways in one run).
+PLANE_FIRST = True
+
+
+def _part_read(spec: Any, region: tuple) -> tuple[Any, tuple] | None:
+    """``(sub-spec, region in it)`` reading only the bytes ``region`` spans, or ``None``.
+
+    Only for a plain chunk: one byte range holding its elements in C order, no codec, no tiles
+    (raw, ``.npy``, uncompressed contiguous data). The sub-spec is the run of elements from the
+    region's first to its last: whole rows of the first axis along which the region has more
+    than one element (``region`` axes before it are single indices), e.g. the rows of one plane
+    of a 3-D chunk. ``None`` when that run is more than ``PART_READ_SHARE`` of the chunk.
+    """
+    from gpulazy.spec import ByteRange, ChunkSpec
+
+    if spec.codec is not None or spec.tiles or spec.order != "C" or len(spec.ranges) != 1:
+        return None
+    (rng,) = spec.ranges
+    if rng.nbytes != spec.out_nbytes or not spec.shape:
+        return None
+    sels = [(r, r + 1) if isinstance(r, int) else (r.start, r.stop) for r in region]
+    k = next((a for a, (lo, hi) in enumerate(sels) if hi - lo != 1), len(sels) - 1)
+    strides = [int(np.prod(spec.shape[a + 1:], dtype=np.int64)) for a in range(len(spec.shape))]
+    first = sum(sels[a][0] * strides[a] for a in range(k + 1))
+    count = (sels[k][1] - sels[k][0]) * strides[k]
+    itemsize = np.dtype(spec.dtype).itemsize
+    if count * itemsize > PART_READ_SHARE * spec.out_nbytes:
+        return None
+    sub = ChunkSpec((ByteRange(rng.path, rng.offset + first * itemsize, count * itemsize),),
+                    (sels[k][1] - sels[k][0],) + tuple(spec.shape[k + 1:]), spec.dtype,
+                    identity=spec.identity, index=spec.index)
+    # Axes before k are single elements of the chunk: those the result keeps come back as
+    # length-1 axes when the part is copied into the result's view (broadcast).
+    at_k = 0 if isinstance(region[k], int) else slice(None)
+    return sub, (at_k,) + tuple(region[k + 1:])
 
 
 def _blocks(edges: np.ndarray, span: range) -> range:

@@ -137,36 +137,44 @@ def test_stepping_forward_hits_prefetched_chunks_and_stays_in_budget(volume):
         cache.close()
 
 
-def test_jump_cancels_queued_reads(volume):
-    path, _ = volume
-    gate = threading.Event()
-    loaded = []
+@pytest.fixture
+def busy_disk():
+    """A one-thread cache whose read-ahead waits at ``gate`` (a busy disk) and records what it read."""
 
-    def slow_load(spec):                                                # a disk that is busy
-        gate.wait(10)
-        loaded.append(spec.index)
-        return vol.chunk_source.read(spec)
+    class Disk:
+        def __init__(self, cache):
+            self.cache, self.gate, self.loaded, self.vol = cache, threading.Event(), [], None
+
+        def load(self, spec):
+            self.gate.wait(10)
+            self.loaded.append(spec.index)
+            return self.vol.chunk_source.read(spec)
 
     with gpulazy.config.set(threads=1):
-        cache = gpulazy.DeviceCache("1 MiB", device="cpu")
-        try:
-            vol = gpulazy.from_files(path, chunks=(1, 16, 16), device="cpu", cache=cache)
-            warm = MotionPrefetch(vol, depth=8, load=slow_load)
-            for k in range(4):
-                warm.update(0.1 * k, (k, 0, 0), axis=0, displayed=(1, 2))
-            queued_before = cache.stats()["queued"]
-            r = warm.update(0.5, (50, 0, 0), axis=0, displayed=(1, 2))
-            assert r["jump"] and queued_before >= 5
-            assert r["cancelled"] >= queued_before - 1                  # every queued read near plane 3
-            assert r["planes"][:2] == [51, 49]
-            gate.set()
-            wait_idle(cache)
-            near_old = [i for i in loaded if i[0] < 20]
-            assert len(near_old) <= 2, loaded                           # at most the reads already running
-            assert {(51, 0, 0), (49, 0, 0)} <= set(loaded)
-        finally:
-            gate.set()
-            cache.close()
+        disk = Disk(gpulazy.DeviceCache("1 MiB", device="cpu"))
+        yield disk
+    disk.gate.set()
+    disk.cache.close()
+
+
+def test_jump_cancels_queued_reads(volume, busy_disk):
+    path, _ = volume
+    disk = busy_disk
+    cache = disk.cache
+    vol = disk.vol = gpulazy.from_files(path, chunks=(1, 16, 16), device="cpu", cache=cache)
+    warm = MotionPrefetch(vol, depth=8, load=disk.load)
+    for k in range(4):
+        warm.update(0.1 * k, (k, 0, 0), axis=0, displayed=(1, 2))
+    queued_before = cache.stats()["queued"]
+    r = warm.update(0.5, (50, 0, 0), axis=0, displayed=(1, 2))
+    assert r["jump"] and queued_before >= 5
+    assert r["cancelled"] >= queued_before - 1                          # every queued read near plane 3
+    assert r["planes"][:2] == [51, 49]
+    disk.gate.set()
+    wait_idle(cache)
+    near_old = [i for i in disk.loaded if i[0] < 20]
+    assert len(near_old) <= 2, disk.loaded                              # at most the reads already running
+    assert {(51, 0, 0), (49, 0, 0)} <= set(disk.loaded)
 
 
 def test_new_axis_of_motion_restarts_the_predictor(volume):
@@ -191,3 +199,32 @@ def test_without_a_cache_nothing_is_warmed(volume):
     assert MotionPrefetch(vol).update(0.0, (1, 0, 0), axis=0, displayed=(1, 2))["issued"] == 0
     with pytest.raises(TypeError, match="gpulazy.from_files"):
         MotionPrefetch(np.zeros((2, 2)))
+
+
+def test_claim_drops_queued_reads_and_reads_the_plane_first(volume, busy_disk):
+    path, data = volume
+    disk = busy_disk
+    cache = disk.cache
+    vol = disk.vol = gpulazy.from_files(path, chunks=(1, 8, 8), device="cpu", cache=cache)   # 4 chunks a plane
+    warm = MotionPrefetch(vol, depth=4, load=disk.load)
+    for k in range(3):
+        warm.update(0.1 * k, (k, 0, 0), axis=0, displayed=(1, 2))
+    before = cache.stats()
+    queued, totals = before["queued"], dict(warm.totals)
+    assert queued >= 8                                                  # planes 3.. wait behind the gate
+    landing = plane_specs(vol.chunks, vol.chunk_index.specs, (50, None, None))
+    dropped = warm.claim(landing[1:])                                   # the viewer reads landing[0] itself
+    s = cache.stats()
+    assert dropped == queued and s["queued"] == 3 and s["cancelled"] - before["cancelled"] == queued
+    assert warm.totals["claims"] == 1 and warm.totals["cancelled"] - totals["cancelled"] == queued
+    disk.gate.set()
+    wait_idle(cache)
+    # At most the read already running when the gate closed, then the plane's chunks first.
+    loaded = disk.loaded
+    assert all(i[0] < 4 for i in loaded[:-3]) and len(loaded) <= 4, loaded
+    assert loaded[-3:] == [s.index for s in landing[1:]]
+    for s in landing[1:]:
+        y, x = s.index[1] * 8, s.index[2] * 8
+        np.testing.assert_array_equal(cache.get(s, vol.chunk_source.read), data[50:51, y:y + 8, x:x + 8])
+    r = warm.update(0.5, (50, 0, 0), axis=0, displayed=(1, 2))          # the step event, after the plane
+    assert r["jump"] and r["cancelled"] == 0                             # nothing stale was left queued

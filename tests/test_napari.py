@@ -276,8 +276,9 @@ def test_one_plane_crosses_to_the_host_not_its_chunk(model, volume):
     model.dims.set_current_step(0, 13)
     plane, chunk = data[0].nbytes, 8 * data[0].nbytes
     assert view.transfers.count == 1 and view.transfers.bytes == plane < chunk
+    assert view.transfers.part_reads == 1                   # the plane's bytes, read before its chunk
     np.testing.assert_array_equal(_shown(layer), data[13])
-    assert cache.stats()["bytes_held"] >= chunk             # the whole chunk stays cached
+    assert wait_idle(cache)["bytes_held"] >= chunk          # the whole chunk, warmed behind it, stays cached
     model.dims.set_current_step(0, 14)                      # same chunk: a cache hit
     assert cache.stats()["hits"] == 1 and view.transfers.largest == plane
 

@@ -8,7 +8,8 @@ viewer will most likely ask for next. ``MotionPrefetch`` turns those planes into
 chunks of a gpulazy array and warms them into its device cache with the same window
 rule as ``gpulazy.prefetch`` (``ReadAheadPlan``: at most half the cache's capacity
 warmed and not yet shown), cancelling queued reads that left the window — all of them
-on a jump.
+on a jump. ``MotionPrefetch.claim`` puts the chunks of a plane the viewer is reading now,
+and finds neither cached nor on their way, ahead of all of that.
 
 Pure Python; no viewer is imported. ``napari_gpulazy`` feeds it from
 ``viewer.dims.events.current_step``.
@@ -30,6 +31,7 @@ import bisect
 import itertools
 import math
 import statistics
+import threading
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -224,7 +226,8 @@ class MotionPrefetch:
         self._motion: tuple | None = None  # (axis, displayed) the predictor follows
         self._plan: ReadAheadPlan | None = None
         self._cache: Any = None
-        self.totals = {"events": 0, "jumps": 0, "issued": 0, "cancelled": 0}
+        self.totals = {"events": 0, "jumps": 0, "issued": 0, "cancelled": 0, "claims": 0}
+        self._lock = threading.Lock()  # a viewer may slice (``claim``) on another thread than its events
 
     @property
     def depth(self) -> int:
@@ -247,6 +250,11 @@ class MotionPrefetch:
         cache = self.source.cache_instance()
         if cache is None:  # no cache, nothing to warm into
             return {"jump": False, "planes": [], "issued": 0, "cancelled": 0}
+        with self._lock:
+            return self._update(cache, t, point, axis, displayed)
+
+    def _update(self, cache: Any, t: float, point: Sequence[int], axis: int, displayed: Sequence[int]
+                ) -> dict[str, Any]:
         if cache is not self._cache or self._motion != (axis, tuple(displayed)):
             self._restart(cache, axis, displayed)
         assert self.predictor is not None and self._plan is not None
@@ -264,11 +272,35 @@ class MotionPrefetch:
         self.totals["cancelled"] += cancelled
         return {"jump": jump, "planes": planes, "issued": issued, "cancelled": cancelled}
 
+    def claim(self, specs: Sequence[ChunkSpec]) -> int:
+        """The viewer needs a plane whose chunks are neither cached nor on their way: read it first.
+
+        Called by the viewer as it asks for the plane, before the step event that ``update``
+        follows (napari slices first): every read this warmer has queued is dropped (after a
+        jump they are stale; when read-ahead fell behind, the next ``update`` queues them
+        again, behind the plane), then ``specs`` are queued, at the head of the cache's queue,
+        for its threads to read beside the viewer's. Reads already running finish. Returns how
+        many queued reads were dropped.
+        """
+        cache = self.source.cache_instance()
+        if cache is None:
+            return 0
+        with self._lock:
+            dropped = 0
+            if self._plan is not None and self._cache is cache:
+                dropped = int(cache.cancel(self._plan.cancel_all()) or 0)
+            issued = cache.prefetch(specs, self.load) if specs else 0
+            self.totals["claims"] += 1
+            self.totals["cancelled"] += dropped
+            self.totals["issued"] += issued
+        return dropped
+
     def stop(self) -> int:
         """Cancel every warm-up still queued; returns how many were dropped."""
-        if self._plan is None or self._cache is None:
-            return 0
-        return int(self._cache.cancel(self._plan.cancel_all()) or 0)
+        with self._lock:
+            if self._plan is None or self._cache is None:
+                return 0
+            return int(self._cache.cancel(self._plan.cancel_all()) or 0)
 
     def _restart(self, cache: Any, axis: int, displayed: Sequence[int]) -> None:
         if self._plan is not None and self._cache is not None and not self._cache.closed:

@@ -394,12 +394,12 @@ def _array_class() -> type:
 def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:
     """A one-task dask array: ``op`` of ``base`` (cast to ``cast`` first) folded as its chunks are read."""
     import dask.array as da
-    from dask._task_spec import DataNode, Task
+    from dask._task_spec import DataNode, Task, TaskRef
     from dask.array.utils import validate_axis
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 
-    from gpulazy.read.reduce import reduce_stream, result_dtype
+    from gpulazy.read.reduce import groups_of, result_dtype, stream_result, stream_start, stream_step
 
     ndim = base.ndim
     if axis is None:
@@ -411,10 +411,20 @@ def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: An
         n for a, n in enumerate(base.shape) if a not in axis)
     dtype = result_dtype(op, base.dtype, ndim, axis, cast)
     name = f"{op}-streamed-" + tokenize(base.name, op, axis, keepdims, ddof, None if cast is None else str(cast))
+    groups = groups_of(base._gl_specs)
+    # A chain: start, a step per group (an interrupt stops between them), the result.
+    step = f"{name}-step"
+    layer: dict = {(step, -1): Task((step, -1), stream_start, DataNode(None, groups), base._gl_source,
+                                    DataNode(None, base.chunks), base.dtype, op, DataNode(None, axis), ddof, cast)}
+    for k in range(len(groups)):
+        # Each step also depends on a node of its own: dask fuses a linear chain into one task,
+        # which would leave an interrupt nothing to stop between.
+        layer[(f"{step}-group", k)] = DataNode((f"{step}-group", k), k)
+        layer[(step, k)] = Task((step, k), stream_step, TaskRef((step, k - 1)), TaskRef((f"{step}-group", k)),
+                                len(groups[k]))
     key = (name,) + (0,) * len(shape)
-    task = Task(key, reduce_stream, DataNode(None, base._gl_specs), base._gl_source, DataNode(None, base.chunks),
-                base.dtype, op, DataNode(None, axis), keepdims, ddof, cast)
-    graph = HighLevelGraph.from_collections(name, {key: task}, dependencies=[])
+    layer[key] = Task(key, stream_result, TaskRef((step, len(groups) - 1)), keepdims)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
     return da.Array(graph, name, tuple((n,) for n in shape), meta=get_device(base._gl_source.device).meta(
         len(shape), dtype))
 

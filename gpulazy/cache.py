@@ -351,13 +351,15 @@ class DeviceCache:
                         entry.pins -= 1
         return out
 
-    def visit(self, specs: Iterable[ChunkSpec], use: Callable[[ChunkSpec, Any], None]) -> list[ChunkSpec]:
+    def visit(self, specs: Iterable[ChunkSpec], use: Callable[[ChunkSpec, Any], None],
+              after: Callable[[], None] | None = None) -> list[ChunkSpec]:
         """Call ``use(spec, array)`` on each chunk of ``specs`` cached now, in place; the others are returned.
 
         For readers that only read a chunk (a reduction folding it into its result): no copy
-        is made. ``array`` is the cache's own: ``use`` must not write into it or keep it, and
-        must have finished with it on every stream when it returns (the entry may be evicted
-        right after). Each chunk visited counts as a hit.
+        is made. ``array`` is the cache's own: ``use`` must not write into it or keep it.
+        ``after()`` runs once every ``use`` has, before the entries may be evicted again: the
+        work reading them must be finished on every stream by then (e.g. its stream waited
+        for). Each chunk visited counts as a hit.
         """
         specs = list(specs)
         found: list[_Entry | None] = []
@@ -373,10 +375,14 @@ class DeviceCache:
                 if entry is not None:
                     use(spec, entry.array)
         finally:
-            with self._lock:
-                for entry in found:
-                    if entry is not None:
-                        entry.pins -= 1
+            try:
+                if after is not None:
+                    after()
+            finally:
+                with self._lock:
+                    for entry in found:
+                        if entry is not None:
+                            entry.pins -= 1
         return [spec for spec, entry in zip(specs, found) if entry is None]
 
     def get_region(self, spec: ChunkSpec, load: Loader, region: tuple, out: Any = None) -> Any:

@@ -206,11 +206,12 @@ _streams = threading.local()
 
 
 @contextmanager
-def own_stream(device: Device) -> Iterator[None]:
+def own_stream(device: Device, wait: bool = True) -> Iterator[None]:
     """Run gpulazy's own device work on ``gpulazy_stream`` and wait for it (that stream only) on exit.
 
     On ``"cpu"`` a plain context. The work is complete when the block is left, so what
-    it produced can be handed to any stream or thread.
+    it produced can be handed to any stream or thread. ``wait=False`` leaves the waiting to
+    the caller (several blocks, one wait: ``gpulazy_stream(device).synchronize()``).
     """
     if not device.is_gpu:
         yield
@@ -226,7 +227,8 @@ def own_stream(device: Device) -> Iterator[None]:
                 yield
         finally:
             outer.pop()
-        s.synchronize()
+        if wait:
+            s.synchronize()
 
 
 def _outer_streams() -> list:

@@ -579,13 +579,17 @@ def read_task_counts(dsk: dict[Any, Any]) -> dict[Any, int]:
     """``{key: number of chunk reads}`` for the tasks of ``dsk`` that read chunks.
 
     Reads are ``load_chunk`` calls, also inside fused tasks (the same search the
-    prefetcher uses: ``gpulazy.prefetch.find_reads``).
+    prefetcher uses: ``gpulazy.prefetch.find_reads``), and the chunks each step of a
+    streamed reduction folds (``gpulazy.read.reduce``).
     """
     from gpulazy.prefetch import find_reads
+    from gpulazy.read.reduce import stream_step
 
     counts = {}
     for key, task in dsk.items():
         n = len(find_reads(task))
+        if not n and getattr(task, "func", None) is stream_step:  # a streamed reduction's step
+            n = int(task.args[2]) if len(task.args) > 2 else 0
         if n:
             counts[key] = n
     return counts

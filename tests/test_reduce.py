@@ -43,7 +43,10 @@ def test_a_streamed_reduction_equals_numpy(tmp_path_factory, layout, op, dtype, 
     data = np.random.default_rng(0).integers(0, 200, shape).astype(dtype)
     vol = _vol(tmp_path_factory.mktemp("r"), data, chunks)
     r = getattr(vol, op)(axis=axes, keepdims=keepdims)
-    assert "streamed" in r.name and len(r.__dask_graph__()) == 1  # one task, not dask's tree
+    from gpulazy.read.reduce import groups_of
+
+    # a chain, not dask's tree: start, a step (and its group node) per group of chunks, the result
+    assert "streamed" in r.name and len(r.__dask_graph__()) == 2 * len(groups_of(vol.chunk_index.specs)) + 2
     want = getattr(np, op)(data, axis=axes, keepdims=keepdims)
     got = r.compute()
     assert r.dtype == want.dtype and np.asarray(got).dtype == want.dtype
@@ -91,6 +94,25 @@ def test_dask_reduces_when_asked_or_when_the_arguments_need_it(tmp_path):
     vol2 = vol.copy()
     vol2[0, 0] = 7  # changed in place: no longer the files
     assert "streamed" not in vol2.max().name and vol2.max().compute() == max(7, data.max())
+
+
+def test_a_stream_sent_to_another_process_between_steps_gives_the_same_result(tmp_path):
+    import pickle
+
+    from gpulazy.read.reduce import groups_of, stream_result, stream_start, stream_step
+
+    data = np.random.default_rng(6).normal(0, 1, (12, 5, 4)).astype("<f4")
+    vol = _vol(tmp_path, data, (1, 5, 4))
+    groups = [(s,) for g in groups_of(vol.chunk_index.specs) for s in g]  # a chunk a group: 12 steps
+    for op in ("max", "sum", "std"):
+        with gpulazy.config.set(read_ahead=3 * 80):  # a few groups in flight when it travels
+            stream = stream_start(groups, vol.chunk_source, vol.chunks, vol.dtype, op, (0, 2), 1, None)
+            for k in range(len(groups)):
+                if k in (4, 9):
+                    stream = pickle.loads(pickle.dumps(stream))
+                stream = stream_step(stream, k)
+        np.testing.assert_allclose(stream_result(stream, False), getattr(np, op)(
+            data, axis=(0, 2), **({"ddof": 1} if op == "std" else {})), rtol=1e-5)
 
 
 def test_a_damaged_file_raises_with_its_path(tmp_path):
@@ -165,3 +187,18 @@ def test_a_box_computes_alone_and_equals_the_file(tmp_path_factory, layout, cach
     np.testing.assert_array_equal((part * 1).compute(), data[box] * 1)  # dask's path agrees
     if cached:
         cache.close()
+
+
+@given(src=st.sampled_from(["<u2", ">i4", "<f4", "<f8", "u1"]), cast=st.sampled_from(["f8", "f4", "i8", "u1"]),
+       op=st.sampled_from(OPS), layout=layouts())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_reduction_after_astype_equals_numpy_on_the_cast_array(tmp_path_factory, src, cast, op, layout):
+    shape, chunks, axes = layout
+    data = np.random.default_rng(7).integers(0, 250, shape).astype(src)
+    vol = _vol(tmp_path_factory.mktemp("c"), data, chunks)
+    r = getattr(vol.astype(cast), op)(axis=axes)
+    assert "streamed" in r.name
+    want = getattr(np, op)(data.astype(cast), axis=axes)
+    got = r.compute()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5)

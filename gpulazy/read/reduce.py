@@ -25,7 +25,8 @@ import numpy as np
 from gpulazy.device import Device, get_device, own_stream
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["OPS", "result_dtype", "reduce_stream"]
+__all__ = ["OPS", "result_dtype", "reduce_stream", "groups_of", "ReduceStream", "stream_start", "stream_step",
+           "stream_result"]
 
 OPS = frozenset({"max", "min", "sum", "mean", "var", "std"})
 
@@ -36,48 +37,189 @@ def result_dtype(op: str, dtype: Any, ndim: int, axis: tuple[int, ...], cast: An
     return getattr(np, op)(probe, axis=axis).dtype
 
 
+def groups_of(specs: dict) -> list[tuple[ChunkSpec, ...]]:
+    """The chunks of ``specs`` in block order, in groups of about ``GROUP`` bytes: one step each."""
+    from gpulazy.read.whole import GROUP
+
+    groups: list[list[ChunkSpec]] = [[]]
+    size = 0
+    for spec in specs.values():
+        if not math.prod(spec.shape):
+            continue
+        if groups[-1] and size + spec.nbytes > GROUP:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += spec.nbytes
+    return [tuple(g) for g in groups if g]
+
+
+class ReduceStream:
+    """A reduction in progress: groups of chunks read ahead, folded one group per ``step``.
+
+    A compute runs ``start``, then ``step(k)`` for each group in order (a dask task each: an
+    interrupt or a failure stops between groups, and a progress bar sees each one), then
+    ``result``. Each step finishes its group (cached chunks folded where they lie, the others
+    as their reads land, then offered to the cache) and first submits the groups after it
+    while the bytes held by reads in flight stay within config ``read_ahead``, so reading the
+    next groups overlaps folding this one. Sent to another process between steps (a
+    ``dask.distributed`` worker), it finishes its reads in flight and travels as its running
+    result.
+    """
+
+    def __init__(self, groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...],
+                 ddof: int, cast: Any):
+        from gpulazy import config
+
+        self.groups, self.source, self.chunks, self.axis = groups, source, chunks, axis
+        self.dev = get_device(source.device)
+        self.backend = source.backend_instance()
+        self.cache = source.cache_instance()
+        with self.dev.activate():
+            self.acc = _Accumulator(op, chunks, axis, dtype, cast, ddof, self.dev)
+        largest = max((s.out_nbytes + s.nbytes for g in groups for s in g), default=0)
+        self.limit = max(int(config.get("read_ahead")), 2 * largest)
+        self.pending: dict[int, tuple[Any, list[ChunkSpec], int]] = {}  # group -> (reads, misses, bytes)
+        self.next = 0
+        self.held = 0
+
+    def __reduce__(self):
+        # To another process (a dask.distributed worker that takes the next step): the reads in
+        # flight cannot travel, so they are finished and folded here, and the running result goes
+        # as host arrays; the steps of those groups then have nothing left to do.
+        with self.dev.activate():
+            for k in sorted(self.pending):
+                self._finish(k)
+        state = {name: _to_host(getattr(self.acc, name)) for name in ("total", "mean") if hasattr(self.acc, name)}
+        return (_rebuilt, (self.groups, self.source, self.chunks, self.acc.dtype_in, self.acc.op, self.axis,
+                           self.acc.ddof, self.acc.cast, state, self.acc.count, self.next))
+
+    def step(self, k: int) -> ReduceStream:
+        """Finish group ``k`` (submitting the next groups first); ``self``, for the next step."""
+        with self.dev.activate():
+            while self.next < len(self.groups) and (self.next <= k or self.held + _bytes(self.groups[self.next])
+                                                    <= self.limit):
+                self._submit(self.next)
+            self._finish(k)
+        return self
+
+    def result(self, keepdims: bool) -> Any:
+        with self.dev.activate():
+            out = self.acc.result()
+        if keepdims:
+            out = out.reshape(tuple(1 if a in self.axis else n for a, n in enumerate(map(sum, self.chunks))))
+        return out
+
+    def _fold_cached(self, group: list[ChunkSpec]) -> list[ChunkSpec]:
+        """Fold the chunks of ``group`` the cache holds, where they lie (no copy); the others."""
+        from gpulazy.device import gpulazy_stream
+
+        def fold(spec: ChunkSpec, chunk: Any) -> None:
+            with own_stream(self.dev, wait=False):
+                self.acc.fold(spec, chunk)
+
+        def wait() -> None:  # the folds are done before the entries may be evicted
+            if self.dev.is_gpu:
+                gpulazy_stream(self.dev).synchronize()
+
+        return self.cache.visit(group, fold, after=wait)
+
+    def _submit(self, j: int) -> None:
+        from gpulazy.integrity import check_all_unchanged
+        from gpulazy.memory import retry_on_oom
+        from gpulazy.read.engine import start
+
+        group = list(self.groups[j])
+        check_all_unchanged(group)  # a cached chunk of a file changed since indexing is never used
+        misses = self._fold_cached(group) if self.cache is not None else group
+        reads = None
+        if misses:
+            first = misses[0]
+            reads = retry_on_oom(lambda: start(misses, self.backend, verify=self.source.verify, staged=False,
+                                               check=False), device=self.dev, nbytes=_bytes(misses),
+                                 what=f"reading {len(misses)} chunks from {first.index} of {first.paths[0]!r}"
+                                 if first.ranges else "reading chunks")
+        nbytes = _bytes(misses)
+        self.pending[j] = (reads, misses, nbytes)
+        self.held += nbytes
+        self.next = j + 1
+
+    def _finish(self, k: int) -> None:
+        if k not in self.pending:  # finished before this stream was sent to another process
+            return
+        reads, misses, nbytes = self.pending.pop(k)
+        self.held -= nbytes
+        if reads is None:
+            return
+        try:
+            arrays = reads.result()  # every read of the group settled before an error is raised
+        except BaseException:
+            self._settle()
+            raise
+        with own_stream(self.dev):  # one wait for the group's folds
+            for spec, arr in zip(misses, arrays):
+                self.acc.fold(spec, arr)
+        if self.cache is not None:
+            for spec, arr in zip(misses, arrays):
+                self.cache.get(spec, lambda s, a=arr: a)  # kept (one copy) when there is room
+
+
+    def _settle(self) -> None:
+        """Wait for every group in flight (a step failed: nothing may write into dropped buffers)."""
+        for reads, _, _ in self.pending.values():
+            if reads is not None:
+                reads.settle()
+        self.pending.clear()
+
+
+def _to_host(arr: Any) -> np.ndarray:
+    return arr.get() if hasattr(arr, "get") else np.asarray(arr)
+
+
+def _rebuilt(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
+             cast: Any, state: dict, count: np.ndarray, next_group: int) -> ReduceStream:
+    """A stream unpickled in another process: its running result on this process's device."""
+    stream = ReduceStream(groups, source, chunks, dtype, op, axis, ddof, cast)
+    with stream.dev.activate():
+        for name, host in state.items():
+            getattr(stream.acc, name)[...] = stream.dev.xp.asarray(host)
+    stream.acc.count[...] = count
+    stream.next = next_group
+    return stream
+
+
+def _bytes(specs: Any) -> int:
+    return sum(s.out_nbytes + (s.nbytes if s.is_assembled else 0) for s in specs)
+
+
+def stream_start(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
+                 cast: Any) -> ReduceStream:
+    """The dask task that begins a streamed reduction (no read yet: the first step submits)."""
+    return ReduceStream(groups, source, chunks, dtype, op, axis, ddof, cast)
+
+
+def stream_step(stream: ReduceStream, k: int, nchunks: int = 0) -> ReduceStream:
+    """The dask task that folds group ``k`` (``nchunks`` chunks: what a progress bar counts)."""
+    return stream.step(k)
+
+
+def stream_result(stream: ReduceStream, keepdims: bool) -> Any:
+    """The dask task that hands out the reduction."""
+    return stream.result(keepdims)
+
+
 def reduce_stream(specs: dict, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...],
                   keepdims: bool = False, ddof: int = 0, cast: Any = None) -> Any:
-    """``op`` of the array ``specs`` describes over ``axis``, folded chunk by chunk as the reads land.
+    """``op`` of the array ``specs`` describes over ``axis``, every step in this thread (for callers
+    outside dask; the graph of ``GpulazyArray._reduce`` runs the same steps as tasks).
 
     ``cast``: the dtype each chunk is cast to first (``vol.astype(cast).sum()``).
     """
-    from gpulazy import config
-    from gpulazy.read.whole import read_in_order
-
-    dev = get_device(source.device)
-    from gpulazy.integrity import check_all_unchanged
-
-    backend = source.backend_instance()
-    cache = source.cache_instance()
-
-    def fold(spec: ChunkSpec, chunk: Any) -> None:
-        # On gpulazy's stream, waited for on leaving: the chunk goes back to the pool only
-        # once the kernels reading it are done.
-        with own_stream(dev):
-            acc.fold(spec, chunk)
-
-    def fold_and_keep(spec: ChunkSpec, chunk: Any) -> None:
-        fold(spec, chunk)
-        cache.get(spec, lambda s: chunk)  # kept (one copy) when there is room: the next compute reads nothing
-
-    check_all_unchanged(specs.values())  # a cached chunk of a file changed since indexing is never used
-    with dev.activate():
-        acc = _Accumulator(op, chunks, axis, dtype, cast, ddof, dev)
-        wanted = [spec for spec in specs.values() if math.prod(spec.shape)]
-        if cache is not None:
-            wanted = cache.visit(wanted, fold)  # hits folded in place, no copy
-        todo = [(spec, None) for spec in wanted]
-        limit = max(int(config.get("read_ahead")), 2 * _largest(todo))
-        read_in_order(todo, backend, source.verify, fold if cache is None else fold_and_keep, limit)
-        out = acc.result()
-    if keepdims:
-        out = out.reshape(tuple(1 if a in axis else n for a, n in enumerate(map(sum, chunks))))
-    return out
-
-
-def _largest(todo: list) -> int:
-    return max((s.out_nbytes + s.nbytes for s, _ in todo), default=0)
+    groups = groups_of(specs)
+    stream = stream_start(groups, source, chunks, dtype, op, axis, ddof, cast)
+    for k in range(len(groups)):
+        stream_step(stream, k)
+    return stream_result(stream, keepdims)
 
 
 class _Accumulator:
@@ -86,6 +228,7 @@ class _Accumulator:
     def __init__(self, op: str, chunks: tuple, axis: tuple[int, ...], dtype: Any, cast: Any, ddof: int,
                  dev: Device):
         self.op, self.axis, self.ddof, self.dev, self.xp = op, axis, ddof, dev, dev.xp
+        self.dtype_in = np.dtype(dtype)
         self.cast = np.dtype(cast) if cast is not None else None
         self.kept = [a for a in range(len(chunks)) if a not in axis]
         self.edges = [np.cumsum((0,) + tuple(c)) for c in chunks]
@@ -113,7 +256,8 @@ class _Accumulator:
 
     def fold(self, spec: ChunkSpec, chunk: Any) -> None:
         xp, op, axis = self.xp, self.op, self.axis
-        if self.cast is not None:
+        late = self.cast is not None and self.cast.kind == "f"  # a float cast: no cast copy of the chunk
+        if self.cast is not None and not late:
             chunk = chunk.astype(self.cast, copy=False)
         block, region = self._block(spec)
         n = math.prod(chunk.shape[a] for a in axis)
@@ -121,11 +265,13 @@ class _Accumulator:
         dst = self.total[region]
         if op in ("max", "min"):
             part = getattr(xp, op)(chunk, axis=axis)
+            if late:  # a float cast is monotonic: the extreme of the cast is the cast of the extreme
+                part = part.astype(self.cast)
             if seen == 0:
                 dst[...] = part
             else:
                 (xp.maximum if op == "max" else xp.minimum)(dst, part, out=dst)
-        elif op == "sum":
+        elif op == "sum":  # each element converted to the sum's dtype as it is added: what a cast gives
             dst += xp.sum(chunk, axis=axis, dtype=self.out_dtype)
         elif op == "mean":
             dst += xp.sum(chunk, axis=axis, dtype="f8")

@@ -99,8 +99,36 @@ def test_ctrl_c_while_the_threaded_scheduler_waits(volume, cache):
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                with gpulazy.prefetch(depth=8):
+                with gpulazy.prefetch(depth=8), gpulazy.config.set(fused_reductions=False):  # a task per chunk
                     vol.sum().compute(scheduler="threads")
+        finally:
+            timer.join()
+        s = _idle(cache)
+        assert s["loads"] < N  # stopped before reading everything
+        fault_backend.install(None)
+        assert int(vol.sum().compute(scheduler="threads")) == int(data.sum(dtype=np.uint64))
+    finally:
+        fault_backend.uninstall()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_a_streamed_reduction_between_groups(volume, cache, monkeypatch):
+    """A reduction streams as a chain of steps, one per group of chunks: Ctrl-C stops between them."""
+    import _thread
+    import threading
+
+    import gpulazy.read.whole
+
+    path, data = volume
+    monkeypatch.setattr(gpulazy.read.whole, "GROUP", 2 * ROWS[0] * ROWS[1] * 2)  # two chunks a group
+    fault_backend.install({"fault": "slow", "delay": 0.1})
+    try:
+        vol = _vol(path, cache, backend="faulty")
+        timer = threading.Timer(0.5, _thread.interrupt_main)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt), gpulazy.config.set(read_ahead=4 * ROWS[0] * ROWS[1] * 2):
+                vol.sum().compute(scheduler="threads")
         finally:
             timer.join()
         s = _idle(cache)
@@ -137,7 +165,8 @@ def test_distributed_cancel_stops_read_ahead(volume):
     try:
         gpulazy.prefetch.install(client, depth=8)
         vol = _vol(path, cache, backend="faulty")
-        future = client.compute(vol.sum())
+        with gpulazy.config.set(fused_reductions=False):  # a task per chunk, read ahead by the plugin
+            future = client.compute(vol.sum())
         deadline = time.monotonic() + 30
         while cache.stats()["loads"] + cache.stats()["in_flight"] < 3 and time.monotonic() < deadline:
             time.sleep(0.02)

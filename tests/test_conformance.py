@@ -19,6 +19,9 @@ from gpulazy.testing import ConsumerConformance, Dataset, Format
 
 HEADER = 24  # bytes of junk before a raw file's elements (read with offset=)
 
+# ``chunks=`` is drawn apart from the stored chunking: enlarging it to whole stored chunks is expected.
+pytestmark = pytest.mark.filterwarnings("ignore::gpulazy.errors.ChunksEnlargedWarning")
+
 
 # -- raw and .npy -------------------------------------------------------------------------------
 
@@ -170,8 +173,13 @@ class TestConsumers(ConsumerConformance):
     __test__ = True
     formats = FORMATS
 
-    def known_bug(self, fmt, case):
-        return FOLDER_OF_ONE if fmt == "tiff-folder" and case.reference.shape[0] == 1 else None
+    def known_bug(self, consumer, fmt, case):
+        if fmt != "tiff-folder" or case.reference.shape[0] != 1:
+            return None
+        # A sum or mean over everything is the same whether the one plane is stacked or not;
+        # they see the bug only in ``chunks=`` having an entry too many.
+        seen = case.chunks is not None or consumer not in ("sum-f8", "mean")
+        return FOLDER_OF_ONE if seen else None
 
 
 @pytest.mark.gpu

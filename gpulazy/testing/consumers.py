@@ -131,7 +131,7 @@ def _chunk_length(n: int) -> Any:
 
 
 def _sum_atol(reference: np.ndarray, dtype: Any, count: int = 1) -> float:
-    """Rounding a chunked sum (of ``count`` terms averaged) may differ from NumPy's by."""
+    """How far rounding may take a chunked sum (a mean of ``count`` terms) from NumPy's."""
     return 64 * float(np.finfo(dtype).eps) * float(np.abs(reference.astype("f8")).sum()) / count + 1e-300
 
 

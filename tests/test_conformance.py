@@ -164,22 +164,9 @@ def _formats_present():
         pytest.importorskip(module)
 
 
-FOLDER_OF_ONE = ("a folder of one TIFF or HDF5 file is not stacked (TiffLayout.index and Hdf5Layout.index take "
-                 "no `stack`: `stacked = len(found) > 1`), though from_files stacks a folder 'even when it holds "
-                 "one file', as raw and .npy folders are")
-
-
 class TestConsumers(ConsumerConformance):
     __test__ = True
     formats = FORMATS
-
-    def known_bug(self, consumer, fmt, case):
-        if fmt != "tiff-folder" or case.reference.shape[0] != 1:
-            return None
-        # A sum or mean over everything is the same whether the one plane is stacked or not;
-        # they see the bug only in ``chunks=`` having an entry too many.
-        seen = case.chunks is not None or consumer not in ("sum-f8", "mean")
-        return FOLDER_OF_ONE if seen else None
 
 
 @pytest.mark.gpu
@@ -189,7 +176,6 @@ class TestConsumersGpu(TestConsumers):
 
 # -- bugs the suite found, each as its smallest case ------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=FOLDER_OF_ONE)
 @pytest.mark.parametrize("fmt", ["tiff", "hdf5"])
 def test_a_folder_of_one_file_stacks_like_raw_and_npy(tmp_path, fmt):
     import gpulazy

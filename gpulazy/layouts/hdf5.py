@@ -126,7 +126,7 @@ class Hdf5Layout(Layout):
         return False
 
     def index(self, paths: Sequence[str], *, dataset: str | None = None, chunks: Any = None, dtype: Any = None,
-              shape: Any = None, **unknown: Any) -> Index:
+              shape: Any = None, stack: bool | None = None, **unknown: Any) -> Index:
         """The ``Index`` of ``dataset`` in each of ``paths`` (stacked along axis 0 when several).
 
         Parameters
@@ -140,11 +140,15 @@ class Hdf5Layout(Layout):
             chunks (default: about ``config chunk_size`` of them).
         dtype, shape
             Optional: checked against the dataset's (``LayoutError`` if they differ).
+        stack
+            Stack along a new axis 0 (``layouts.index`` passes ``True`` for a folder, glob or
+            list, even of one file); ``None``: when there are several files.
         """
         if unknown:
             raise TypeError(f"the hdf5 layout got unexpected options {sorted(unknown)} (it takes dataset=, "
                             "chunks=, and dtype=/shape= to check)")
         found = [describe(p, dataset) for p in paths]
+        stacked = stack if stack is not None else len(found) > 1
         first = found[0]
         for d in found[1:]:
             _check_same(d, first)
@@ -152,9 +156,9 @@ class Hdf5Layout(Layout):
         if all(d.storage == "contiguous" for d in found) or math.prod(first.shape) == 0:
             # No stored chunks to respect (or no elements at all): plain ranges, any chunking.
             files = tuple(FileEntry(d.path, d.offset or 0, file_identity(d.path)) for d in found)
-            ix = FileStack(files, first.shape, first.dtype, "C", stacked=len(found) > 1).index(chunks, layout=self.name)
+            ix = FileStack(files, first.shape, first.dtype, "C", stacked=stacked).index(chunks, layout=self.name)
         else:
-            ix = _grid_index(found, chunks, self.name)
+            ix = _grid_index(found, chunks, self.name, stacked)
         return dataclasses.replace(ix, attrs=_attrs(first))
 
 
@@ -470,12 +474,11 @@ def _check_requested(d: Hdf5Dataset, dtype: Any, shape: Any) -> None:
                           "leave shape unset for HDF5 files")
 
 
-def _grid_index(found: Sequence[Hdf5Dataset], chunks: Any, layout: str) -> Index:
+def _grid_index(found: Sequence[Hdf5Dataset], chunks: Any, layout: str, stacked: bool) -> Index:
     from gpulazy import config
     from gpulazy.layouts._grid import grid_chunks
 
     first = found[0]
-    stacked = len(found) > 1
     stored = first.chunks or slab_sizes(first.shape, first.dtype.itemsize, int(config.get("chunk_size")))
     shape = ((len(found),) + first.shape) if stacked else first.shape
     stored = ((1,) + tuple(stored)) if stacked else tuple(stored)

@@ -92,19 +92,21 @@ class TiffLayout(Layout):
             return False
 
     def index(self, paths: Sequence[str], *, series: int = 0, level: int = 0, chunks: Any = None,
-              dtype: Any = None, shape: Any = None, order: str | None = None, **unknown: Any) -> Index:
+              dtype: Any = None, shape: Any = None, order: str | None = None, stack: bool | None = None,
+              **unknown: Any) -> Index:
         _check_options(unknown, order)
         found = [_scan(p, series, (level,))[0] for p in paths]
-        return _to_index(found, self.name, chunks, dtype, shape)
+        return _to_index(found, self.name, chunks, dtype, shape, stack)
 
     def levels(self, paths: Sequence[str], *, series: int = 0, chunks: Any = None, dtype: Any = None,
-               shape: Any = None, order: str | None = None, **unknown: Any) -> list[Index]:
+               shape: Any = None, order: str | None = None, stack: bool | None = None, **unknown: Any
+               ) -> list[Index]:
         """One ``Index`` per pyramid level (SubIFDs or series levels), full resolution first."""
         _check_options(unknown, order)
         per_file = [_scan(p, series, None) for p in paths]
         count = min(len(f) for f in per_file)  # levels every file has
         out = [_to_index([f[i] for f in per_file], self.name, chunks, dtype if i == 0 else None,
-                         shape if i == 0 else None) for i in range(count)]
+                         shape if i == 0 else None, stack) for i in range(count)]
         return out
 
 
@@ -627,12 +629,15 @@ def _attrs(f: _Found, stacked: bool, stored: tuple[int, ...]) -> dict:
 
 # -- the index ------------------------------------------------------------------------------
 
-def _to_index(found: list[_Found], layout: str, chunks: Any, dtype: Any, shape: Any) -> Index:
+def _to_index(found: list[_Found], layout: str, chunks: Any, dtype: Any, shape: Any,
+              stack: bool | None = None) -> Index:
+    """``stack``: a collection (folder, glob, list) stacks along a new axis 0 even of one file
+    (``layouts.index`` passes it); ``None``: when there are several files."""
     first = found[0]
     for f in found[1:]:
         if f.describe() != first.describe():
             raise LayoutError(_mismatch(f, first))
-    stacked = len(found) > 1
+    stacked = stack if stack is not None else len(found) > 1
     full = ((len(found),) if stacked else ()) + first.shape
     extra = tuple(a + stacked for a in first.inserted)  # size-1 axes the pieces know nothing of
     nat = tuple(n for a, n in enumerate(full) if a not in extra)

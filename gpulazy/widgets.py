@@ -587,12 +587,26 @@ def read_task_counts(dsk: dict[Any, Any]) -> dict[Any, int]:
 
     counts = {}
     for key, task in dsk.items():
-        n = len(find_reads(task))
-        if not n and getattr(task, "func", None) is stream_step:  # a streamed reduction's step
-            n = int(task.args[2]) if len(task.args) > 2 else 0
+        n = len(find_reads(task)) or _streamed_chunks(task, stream_step, 0)
         if n:
             counts[key] = n
     return counts
+
+
+def _streamed_chunks(obj: Any, step: Any, depth: int) -> int:
+    """Chunks folded by the streamed-reduction steps in ``obj`` (a task, also one dask fused)."""
+    if depth > 16:
+        return 0
+    if type(obj) in (list, tuple):
+        return sum(_streamed_chunks(a, step, depth + 1) for a in obj)
+    if type(obj) is dict:
+        return sum(_streamed_chunks(v, step, depth + 1) for v in obj.values())
+    func, args = getattr(obj, "func", None), getattr(obj, "args", None)
+    if func is None or not isinstance(args, tuple):
+        return 0
+    if func is step:
+        return int(getattr(args[2], "value", args[2])) if len(args) > 2 else 0
+    return sum(_streamed_chunks(a, step, depth + 1) for a in args)
 
 
 _MIN_RATE_SECONDS = 0.2  # no rate from a shorter span: 1000 cached chunks in 5 ms is not 200,000 chunks/s

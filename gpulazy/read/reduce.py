@@ -37,16 +37,23 @@ def result_dtype(op: str, dtype: Any, ndim: int, axis: tuple[int, ...], cast: An
     return getattr(np, op)(probe, axis=axis).dtype
 
 
+#: Most steps a streamed reduction takes (bigger groups for a bigger array): each step is a dask
+#: task, and dask's own cost per task is what a reduction over cached chunks is held to.
+STEPS = 8
+
+
 def groups_of(specs: dict) -> list[tuple[ChunkSpec, ...]]:
-    """The chunks of ``specs`` in block order, in groups of about ``GROUP`` bytes: one step each."""
+    """The chunks of ``specs`` in block order, in groups of about ``GROUP`` bytes (more for an array
+    of more than ``STEPS`` groups): one step each."""
     from gpulazy.read.whole import GROUP
 
+    size_of = max(GROUP, -(-sum(s.nbytes for s in specs.values()) // STEPS))
     groups: list[list[ChunkSpec]] = [[]]
     size = 0
     for spec in specs.values():
         if not math.prod(spec.shape):
             continue
-        if groups[-1] and size + spec.nbytes > GROUP:
+        if groups[-1] and size + spec.nbytes > size_of:
             groups.append([])
             size = 0
         groups[-1].append(spec)

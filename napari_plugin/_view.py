@@ -177,10 +177,10 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     (docs/streams.md).
 
     The plane on screen comes first. Chunks of the box that are neither cached nor on their
-    way (a jump, or read-ahead fallen behind) are read at once, together: ``claim(specs)``
-    (the viewer's motion prefetch, ``MotionPrefetch.claim``) drops the read-ahead queued before
-    them, and the cache's prefetch threads read them beside this thread, instead of one after
-    another. A plain chunk (uncompressed, untiled: ``_part_read``) of which the box needs little
+    way (a jump, or read-ahead fallen behind) are read at once, together, by this thread in one
+    engine submission (``_read_together``: their pieces decode in one codec call), after
+    ``claim([])`` (the viewer's motion prefetch, ``MotionPrefetch.claim``) dropped the read-ahead
+    queued before them. A plain chunk (uncompressed, untiled: ``_part_read``) of which the box needs little
     is not waited for at all: the box's byte range is read straight into the result and the
     whole chunk is warmed behind it, for the next plane.
     """
@@ -204,12 +204,15 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     absent = [p[0] for p in uncached if not cache.holds(p[0])]
     whole = [p[0] for p in uncached if id(p) not in parts and not cache.holds(p[0])]
     if claim is not None and absent:
-        claim(whole[1:])         # this thread reads whole[0]; the cache's threads the rest, first
-    elif len(whole) > 1:
-        cache.prefetch(whole[1:], source.read)
+        claim([])                # the read-ahead queued before this plane is stale: dropped
+    read = _read_together(whole, source) if len(whole) > 1 else {}
     for p in pieces:
         spec, region, at = p
         part = parts.get(id(p))
+        if spec.key in read:
+            with own_stream(dev):
+                out[at] = read[spec.key][region]
+            continue
         if part is None:
             cache.get_region(spec, source.read, region, out=out[at])
             continue
@@ -222,6 +225,16 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     if parts:
         cache.prefetch([p[0] for p in uncached if id(p) in parts], source.read)  # warmed behind the plane
     return out
+
+
+def _read_together(specs: list, source: Any) -> dict:
+    """``{key: chunk}`` for chunks the box needs that no one is reading: one engine submission,
+    their stored pieces decoded in one codec call per codec (nvCOMP sees them all at once), each
+    chunk offered to the cache as it is handed out (``ChunkSource.start_many``). On an H100 a
+    jump to a plane of 16 zstd chunks took 235 ms as one read per chunk, against 138 ms for dask.
+    """
+    arrays = source.start_many(tuple(specs)).result()
+    return {spec.key: arr for spec, arr in zip(specs, arrays)}
 
 
 def _pieces(array: Any, box: list) -> tuple[list[tuple[Any, tuple, tuple]], tuple[int, ...]]:

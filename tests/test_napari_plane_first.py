@@ -103,28 +103,36 @@ def test_a_box_of_most_of_a_chunk_waits_for_the_chunk(volume, cache):
 
 
 @_needs_layout("zarr")
-def test_a_plane_s_compressed_chunks_are_claimed_together_before_any_is_read(tmp_path, cache):
+def test_a_plane_s_compressed_chunks_are_read_together_after_the_stale_read_ahead_is_dropped(tmp_path, cache):
+    import gpulazy.read.engine
+
     view, data = _zarr_view(tmp_path, (8, 32, 32), cache, seed=8)
     arr = view.array
-    claimed = []
+    claimed, submissions = [], []
     view.claim = lambda specs: claimed.append((list(specs), cache.stats()["loads"]))
-    np.testing.assert_array_equal(np.asarray(view[5]), data[5])
+    real = gpulazy.read.engine.start
+    gpulazy.read.engine.start = lambda specs, *a, **k: submissions.append(len(specs)) or real(specs, *a, **k)
+    try:
+        np.testing.assert_array_equal(np.asarray(view[5]), data[5])
+    finally:
+        gpulazy.read.engine.start = real
     want = plane_specs(arr.chunks, arr.chunk_index.specs, (5, None, None))
-    assert len(want) == 4 and claimed == [(want[1:], 0)]               # before the first read, once
+    assert len(want) == 4 and claimed == [([], 0)]                     # before the first read, once
+    assert submissions == [4]                                         # the plane's 4 chunks: one submission
     assert cache.stats()["loads"] == 4 and all(s in cache for s in want)
     np.testing.assert_array_equal(np.asarray(view[6]), data[6])        # same chunks: cached, no claim
     assert len(claimed) == 1
 
 
 @_needs_layout("zarr")
-def test_without_a_viewer_a_plane_s_other_chunks_go_to_the_cache_s_threads(tmp_path, cache):
+def test_without_a_viewer_a_plane_s_chunks_are_read_together_once(tmp_path, cache):
     view, data = _zarr_view(tmp_path, (4, 48, 48), cache, seed=9)
     np.testing.assert_array_equal(np.asarray(view[2, 5:40]), data[2, 5:40])
     s = wait_idle(cache)
-    # 9 chunks, each read once: the first by this thread, the others queued for the cache's
-    # threads (this thread reads those they had not started).
-    assert s["loads"] == 9 and s["misses"] + s["prefetched"] >= 9 and s["errors"] == 0
-    assert s["prefetched"] + s["cancelled"] + s["prefetch_skipped"] <= 8
+    # 9 chunks, each read once, together by this thread, and kept in the cache
+    assert s["loads"] == 9 and s["misses"] == 9 and s["errors"] == 0 and s["prefetched"] == 0
+    np.testing.assert_array_equal(np.asarray(view[3, 5:40]), data[3, 5:40])  # the same chunks: hits
+    assert wait_idle(cache)["loads"] == 9
 
 
 def test_a_jump_in_the_viewer_claims_the_landing_plane(model, volume):

@@ -3,7 +3,8 @@
 The result is allocated once; each chunk is a destination of the engine: cache hits are
 copied in from the cache, misses read straight into their slice (decoded into it, for
 chunks of stored pieces). Submissions of about ``GROUP`` bytes go out in order from this
-thread; stored bytes waiting to decode are held to ``STAGED`` bytes (a submission is
+thread; stored bytes waiting to decode are held to ``STAGED`` bytes, or an eighth of a GPU's
+free memory (at most 4 GiB) when that is more (a submission is
 finished before the next one would pass that), so reading the next group overlaps
 decoding this one.
 """
@@ -24,6 +25,21 @@ __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "GROUP", "S
 
 GROUP = 256 << 20
 STAGED = 512 << 20
+
+
+def inflight_room(dev: Any) -> int:
+    """Bytes of reads a pipeline may hold in flight on ``dev`` beyond its own minimum: an eighth
+    of the device's free memory, at most 4 GiB. On an H100, 4 GiB of a streamed reduction's reads
+    in flight instead of 1 GiB took ``astype("f8").sum()`` from 0.77 to 0.90 and ``mean()`` from
+    0.85 to 0.94 of the whole read. None on ``"cpu"``, where the host's page cache, not a device,
+    is what reads fill."""
+    if not dev.is_gpu:
+        return 0
+    try:
+        free, _ = dev.memory()
+    except Exception:
+        return 0
+    return min(free // 8, 4 << 30)
 
 
 def read_whole(specs: dict, source: Any, chunks: tuple, dtype: Any, order: str = "C", *,
@@ -106,7 +122,7 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 src, dst = cuts[spec.key]
                 _copy_part(out, dst, arr, src, dev)
 
-        read_in_order(todo, source.backend_instance(), source.verify, landed, STAGED)
+        read_in_order(todo, source.backend_instance(), source.verify, landed, max(STAGED, inflight_room(dev)))
     check_all_unchanged(needed)  # written to during the reads: bytes may be mixed
     return out
 
@@ -138,7 +154,7 @@ def _read_in_groups(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: boo
         if hooks:
             hooks.posttask((name, *spec.index), view)
 
-    read_in_order(todo, backend, verify, landed, STAGED)
+    read_in_order(todo, backend, verify, landed, max(STAGED, inflight_room(backend.device)))
 
 
 def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool, landed: Any, limit: int) -> None:

@@ -329,14 +329,7 @@ class DeviceCache:
         device's copy rate, not by one stream synchronisation per chunk.
         """
         specs = list(specs)
-        found: list[_Entry | None] = []
-        with self._lock:
-            for spec in specs:
-                entry = self._entries.get(spec.key)
-                if entry is not None:
-                    self._count_hit(spec.key, entry, None)
-                    entry.pins += 1
-                found.append(entry)
+        found = self._pin_cached(specs)
         out: list[Any] = [None] * len(specs)
         try:
             with own_stream(self.device):  # done before they are handed out: valid on any stream
@@ -345,10 +338,7 @@ class DeviceCache:
                         out[i] = self._alloc_like(entry.array)
                         out[i][...] = entry.array
         finally:
-            with self._lock:
-                for entry in found:
-                    if entry is not None:
-                        entry.pins -= 1
+            self._unpin(found)
         return out
 
     def visit(self, specs: Iterable[ChunkSpec], use: Callable[[ChunkSpec, Any], None],
@@ -362,14 +352,7 @@ class DeviceCache:
         for). Each chunk visited counts as a hit.
         """
         specs = list(specs)
-        found: list[_Entry | None] = []
-        with self._lock:
-            for spec in specs:
-                entry = self._entries.get(spec.key)
-                if entry is not None:
-                    self._count_hit(spec.key, entry, None)
-                    entry.pins += 1
-                found.append(entry)
+        found = self._pin_cached(specs)
         try:
             for spec, entry in zip(specs, found):
                 if entry is not None:
@@ -379,11 +362,27 @@ class DeviceCache:
                 if after is not None:
                     after()
             finally:
-                with self._lock:
-                    for entry in found:
-                        if entry is not None:
-                            entry.pins -= 1
+                self._unpin(found)
         return [spec for spec, entry in zip(specs, found) if entry is None]
+
+    def _pin_cached(self, specs: list[ChunkSpec]) -> list[_Entry | None]:
+        """The entries of ``specs`` cached now (``None`` for the others), each counted as a hit and
+        pinned (not evicted) until ``_unpin``."""
+        found: list[_Entry | None] = []
+        with self._lock:
+            for spec in specs:
+                entry = self._entries.get(spec.key)
+                if entry is not None:
+                    self._count_hit(spec.key, entry, None)
+                    entry.pins += 1
+                found.append(entry)
+        return found
+
+    def _unpin(self, found: list[_Entry | None]) -> None:
+        with self._lock:
+            for entry in found:
+                if entry is not None:
+                    entry.pins -= 1
 
     def get_region(self, spec: ChunkSpec, load: Loader, region: tuple, out: Any = None) -> Any:
         """``get(spec, load)[region]`` as the caller's own array, copying only ``region`` on a hit.

@@ -48,6 +48,17 @@ def device(request) -> str:
     return request.param
 
 
+def zstd_zarr(path, data: np.ndarray, chunks: tuple) -> str:
+    """``data`` as a Zarr v3 store at ``path`` with ``chunks``, zstd level 1 (skips without zarr)."""
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    p = str(path)
+    z = zarr.create_array(p, shape=data.shape, chunks=chunks, dtype=data.dtype, compressors=ZstdCodec(level=1))
+    z[...] = data
+    return p
+
+
 def to_host(x) -> np.ndarray:
     """A NumPy copy of a NumPy or CuPy array."""
     return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)

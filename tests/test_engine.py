@@ -20,6 +20,8 @@ from gpulazy.io import get_backend
 from gpulazy.read import read, start
 from gpulazy.spec import ByteRange, ChunkSpec
 
+from conftest import zstd_zarr
+
 
 def _buffers() -> dict:
     return dict(gpulazy.stats().snapshot()["buffers"])
@@ -91,13 +93,8 @@ def test_the_whole_array_path_reads_every_chunk_into_its_slice(tmp_path, allocs)
 
 
 def test_a_compressed_miss_stages_its_stored_bytes_and_places_each_piece_once(tmp_path, allocs):
-    zarr = pytest.importorskip("zarr")
-    from zarr.codecs import ZstdCodec
-
     data = np.random.default_rng(1).integers(0, 999, (8, 16, 16)).astype("<u2")
-    p = str(tmp_path / "v.zarr")
-    z = zarr.create_array(p, shape=data.shape, chunks=(2, 16, 16), dtype=data.dtype, compressors=ZstdCodec(level=1))
-    z[...] = data
+    p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
     vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))  # a dask chunk per stored one
     before = _buffers()
     np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 0).compute(scheduler="sync"), data)
@@ -139,13 +136,8 @@ def test_a_destination_of_the_wrong_shape_is_refused(tmp_path):
 # -- errors: each chunk its own, every read settled ------------------------------------------
 
 def test_a_corrupt_chunk_fails_alone_in_its_batch(tmp_path):
-    zarr = pytest.importorskip("zarr")
-    from zarr.codecs import ZstdCodec
-
     data = np.random.default_rng(2).integers(0, 999, (6, 16, 16)).astype("<u2")
-    p = str(tmp_path / "v.zarr")
-    z = zarr.create_array(p, shape=data.shape, chunks=(2, 16, 16), dtype=data.dtype, compressors=ZstdCodec(level=1))
-    z[...] = data
+    p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
     with open(f"{p}/c/1/0/0", "r+b") as f:  # garble the frame's header, keep its size
         f.write(b"\xff" * 8)
     vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import gpulazy
 from gpulazy.errors import ChunkReadError
 
-from conftest import to_host
+from conftest import to_host, zstd_zarr
 
 OPS = ["max", "min", "sum", "mean", "var", "std"]
 
@@ -127,13 +127,8 @@ def test_a_damaged_file_raises_with_its_path(tmp_path):
 
 
 def test_a_compressed_store_streams_too(tmp_path):
-    zarr = pytest.importorskip("zarr")
-    from zarr.codecs import ZstdCodec
-
     data = np.random.default_rng(3).integers(0, 4000, (10, 12, 9)).astype("<u2")
-    p = str(tmp_path / "v.zarr")
-    z = zarr.create_array(p, shape=data.shape, chunks=(3, 5, 9), dtype=data.dtype, compressors=ZstdCodec(level=1))
-    z[...] = data
+    p = zstd_zarr(tmp_path / "v.zarr", data, (3, 5, 9))
     vol = gpulazy.from_files(p, device="cpu", cache=False)
     np.testing.assert_array_equal(vol.max(axis=0).compute(), data.max(axis=0))
     np.testing.assert_allclose(vol.mean(axis=(1, 2)).compute(), data.mean(axis=(1, 2)))

@@ -86,49 +86,31 @@ def test_keyboard_interrupt_in_a_read(volume, cache):
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_the_threaded_scheduler_waits(volume, cache):
-    """A real Ctrl-C (``_thread.interrupt_main``) while worker threads are inside slow reads."""
+@pytest.mark.parametrize("streamed", [False, True])
+def test_ctrl_c_while_the_threaded_scheduler_waits(volume, cache, monkeypatch, streamed):
+    """A real Ctrl-C (``_thread.interrupt_main``) while worker threads are inside slow reads.
+
+    Through dask's tree (a task per chunk, read ahead by ``gpulazy.prefetch``) and streamed (a
+    chain of steps, one per group of chunks: it stops between them)."""
     import _thread
-    import threading
-
-    path, data = volume
-    fault_backend.install({"fault": "slow", "delay": 0.1})
-    try:
-        vol = _vol(path, cache, backend="faulty")
-        timer = threading.Timer(0.5, _thread.interrupt_main)
-        timer.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                with gpulazy.prefetch(depth=8), gpulazy.config.set(fused_reductions=False):  # a task per chunk
-                    vol.sum().compute(scheduler="threads")
-        finally:
-            timer.join()
-        s = _idle(cache)
-        assert s["loads"] < N  # stopped before reading everything
-        fault_backend.install(None)
-        assert int(vol.sum().compute(scheduler="threads")) == int(data.sum(dtype=np.uint64))
-    finally:
-        fault_backend.uninstall()
-
-
-@pytest.mark.timeout(60)
-def test_ctrl_c_stops_a_streamed_reduction_between_groups(volume, cache, monkeypatch):
-    """A reduction streams as a chain of steps, one per group of chunks: Ctrl-C stops between them."""
-    import _thread
+    import contextlib
     import threading
 
     import gpulazy.read.whole
 
     path, data = volume
-    monkeypatch.setattr(gpulazy.read.whole, "GROUP", 2 * ROWS[0] * ROWS[1] * 2)  # two chunks a group
+    monkeypatch.setattr(gpulazy.read.whole, "GROUP", 2 * ROWS[0] * ROWS[1] * 2)  # streamed: two chunks a group
     fault_backend.install({"fault": "slow", "delay": 0.1})
     try:
         vol = _vol(path, cache, backend="faulty")
         timer = threading.Timer(0.5, _thread.interrupt_main)
         timer.start()
+        setting = (gpulazy.config.set(read_ahead=4 * ROWS[0] * ROWS[1] * 2) if streamed
+                   else gpulazy.config.set(fused_reductions=False))
         try:
-            with pytest.raises(KeyboardInterrupt), gpulazy.config.set(read_ahead=4 * ROWS[0] * ROWS[1] * 2):
-                vol.sum().compute(scheduler="threads")
+            with pytest.raises(KeyboardInterrupt), setting:
+                with gpulazy.prefetch(depth=8) if not streamed else contextlib.nullcontext():
+                    vol.sum().compute(scheduler="threads")
         finally:
             timer.join()
         s = _idle(cache)

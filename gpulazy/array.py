@@ -283,15 +283,15 @@ def _array_class() -> type:
                                self._gl_order))
 
         def __getitem__(self, index: Any) -> Any:
-            """A slice on chunk boundaries stays a gpulazy array (its ``compute()`` takes the
-            fast path); any other index is dask's."""
-            blocks = _aligned_blocks(self, index)
+            """A slice on chunk boundaries stays a gpulazy array over the same chunks; a box off
+            them keeps a ``compute()`` that reads only the chunks it meets; any other index is dask's."""
+            region = _box(self, index)
+            blocks = _aligned_blocks(self, region) if region is not None else None
             if blocks is not None:
                 return _block_slice(self, blocks)
             out = super().__getitem__(index)
-            region = _box(self, index)
-            if region is None or out.shape != tuple(b - a for a, b in region):
-                return out
+            if out is self or region is None or out.shape != tuple(b - a for a, b in region):
+                return out  # (the whole array: dask hands back the array itself)
             box = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
             box._gl_region_of = (self, region)  # its compute() reads the box alone, at the read rate
             return box
@@ -360,8 +360,8 @@ def _array_class() -> type:
             return self._reduce("std", axis, keepdims, dtype=dtype, out=out, split_every=split_every, ddof=ddof)
 
         def _reduce(self, op: str, axis: Any, keepdims: bool, **kwargs: Any) -> Any:
-            """``op`` as one task reading and folding every chunk (``gpulazy.read.reduce``), when it can;
-            otherwise dask's own reduction."""
+            """``op`` streamed: a chain of steps reading and folding the chunks (``gpulazy.read.reduce``),
+            when it can; otherwise dask's own reduction."""
             base, cast = getattr(self, "_gl_cast_of", (self, None))
             extra = {k: v for k, v in kwargs.items() if k != "ddof"}
             if (not config.get("fused_reductions") or any(v is not None for v in extra.values())
@@ -392,7 +392,8 @@ def _array_class() -> type:
 
 
 def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:
-    """A one-task dask array: ``op`` of ``base`` (cast to ``cast`` first) folded as its chunks are read."""
+    """A dask array whose graph is one chain (start, a step per group of chunks, the result): ``op`` of
+    ``base`` (cast to ``cast`` first) folded as its chunks are read."""
     import dask.array as da
     from dask._task_spec import DataNode, Task, TaskRef
     from dask.array.utils import validate_axis
@@ -436,7 +437,8 @@ def _active_callbacks(kwargs: dict) -> bool:
 
 
 def _box(arr: Any, index: Any) -> tuple[tuple[int, int], ...] | None:
-    """``(start, stop)`` per axis when ``index`` is step-1 slices selecting a non-empty box, else ``None``."""
+    """``(start, stop)`` per axis when ``index`` is step-1 slices selecting a non-empty box, else ``None``
+    (also for an array changed in place; an index dask refuses is left to dask's own error)."""
     if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
         return None
     from dask.array.slicing import normalize_index
@@ -456,29 +458,15 @@ def _box(arr: Any, index: Any) -> tuple[tuple[int, int], ...] | None:
     return tuple(region)
 
 
-def _aligned_blocks(arr: Any, index: Any) -> tuple[range, ...] | None:
-    """The blocks a slice selects when every axis is a step-1 slice on chunk boundaries, else ``None``.
+def _aligned_blocks(arr: Any, region: tuple[tuple[int, int], ...]) -> tuple[range, ...] | None:
+    """The blocks the box ``region`` (``_box``) selects when it lies on chunk boundaries, else ``None``.
 
-    ``None`` too for the whole array (dask returns the array itself) and for an array
-    changed in place.
+    ``None`` too for the whole array (dask returns the array itself).
     """
-    if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
-        return None
-    from dask.array.slicing import normalize_index
-
-    try:
-        index = normalize_index(index, arr.shape)
-    except Exception:
-        return None  # dask raises its own error for it
-    if len(index) != arr.ndim:
-        return None
     blocks = []
-    for ix, chunks in zip(index, arr.chunks):
-        if not isinstance(ix, slice):
-            return None
-        start, stop, step = ix.indices(sum(chunks))
+    for (start, stop), chunks in zip(region, arr.chunks):
         edges = list(itertools.accumulate(chunks, initial=0))
-        if step != 1 or start >= stop or start not in edges or stop not in edges:
+        if start not in edges or stop not in edges:
             return None
         blocks.append(range(edges.index(start), edges.index(stop)))
     if all(len(r) == len(c) for r, c in zip(blocks, arr.chunks)):

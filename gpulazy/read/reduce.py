@@ -3,12 +3,12 @@
 Through dask, a reduction over a gpulazy array is one task per chunk and a tree of combine
 tasks: on an H100 dask alone took 120 ms for a MIP of 4 GiB of 128 MiB chunks already in
 device memory (35.9 GB/s), so no read could make that MIP reach the whole-array read rate
-(43 GB/s). Here the whole reduction is one task: the engine reads the chunks in order, a
-submission per ``GROUP`` bytes with the next ones in flight (``read_in_order``), and each
-chunk is folded into the result as it lands, then dropped. Device memory holds the
-accumulator and the chunks in flight (config ``read_ahead``), never the array. Chunks in the
-array's cache are folded where they lie (``DeviceCache.visit``: no copy), and chunks read are
-offered to it, so a second reduction over the same data reads nothing.
+(43 GB/s). Here a reduction is a chain of at most ``STEPS`` dask tasks (``ReduceStream``):
+each reads the next groups of chunks through the engine, in block order, and folds a group into
+the result as its reads land, then drops it. Device memory holds the accumulator and the reads
+in flight (config ``read_ahead``, or an eighth of free device memory), never the array. Chunks
+in the array's cache are folded where they lie (``DeviceCache.visit``: no copy), and chunks read
+are offered to it, so a second reduction over the same data reads nothing.
 
 Values equal dask's up to floating-point order: ``max``/``min`` exactly; sums in the
 dtype NumPy sums in (``uint16`` -> ``uint64``); ``mean``, ``var``, ``std`` accumulate in
@@ -23,13 +23,11 @@ from typing import Any
 import numpy as np
 
 from gpulazy.device import Device, get_device, own_stream
-from gpulazy.read.whole import inflight_room
+from gpulazy.read import whole
+from gpulazy.read.whole import groups_by_bytes, held_bytes, inflight_room
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["OPS", "result_dtype", "reduce_stream", "groups_of", "ReduceStream", "stream_start", "stream_step",
-           "stream_result"]
-
-OPS = frozenset({"max", "min", "sum", "mean", "var", "std"})
+__all__ = ["result_dtype", "groups_of", "ReduceStream", "stream_start", "stream_step", "stream_result"]
 
 
 def result_dtype(op: str, dtype: Any, ndim: int, axis: tuple[int, ...], cast: Any = None) -> np.dtype:
@@ -46,20 +44,9 @@ STEPS = 8
 def groups_of(specs: dict) -> list[tuple[ChunkSpec, ...]]:
     """The chunks of ``specs`` in block order, in groups of about ``GROUP`` bytes (more for an array
     of more than ``STEPS`` groups): one step each."""
-    from gpulazy.read.whole import GROUP
-
-    size_of = max(GROUP, -(-sum(s.nbytes for s in specs.values()) // STEPS))
-    groups: list[list[ChunkSpec]] = [[]]
-    size = 0
-    for spec in specs.values():
-        if not math.prod(spec.shape):
-            continue
-        if groups[-1] and size + spec.nbytes > size_of:
-            groups.append([])
-            size = 0
-        groups[-1].append(spec)
-        size += spec.nbytes
-    return [tuple(g) for g in groups if g]
+    size = max(whole.GROUP, -(-sum(s.nbytes for s in specs.values()) // STEPS))
+    wanted = [spec for spec in specs.values() if math.prod(spec.shape)]
+    return [tuple(g) for g in groups_by_bytes(wanted, lambda s: s.nbytes, size)]
 
 
 class ReduceStream:
@@ -197,7 +184,8 @@ def _rebuilt(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis
 
 
 def _bytes(specs: Any) -> int:
-    return sum(s.out_nbytes + (s.nbytes if s.is_assembled else 0) for s in specs)
+    """Bytes the engine holds for ``specs`` until they are folded (their arrays, their stored bytes)."""
+    return sum(held_bytes(s) for s in specs)
 
 
 def stream_start(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
@@ -216,20 +204,7 @@ def stream_result(stream: ReduceStream, keepdims: bool) -> Any:
     return stream.result(keepdims)
 
 
-def reduce_stream(specs: dict, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...],
-                  keepdims: bool = False, ddof: int = 0, cast: Any = None) -> Any:
-    """``op`` of the array ``specs`` describes over ``axis``, every step in this thread (for callers
-    outside dask; the graph of ``GpulazyArray._reduce`` runs the same steps as tasks).
-
-    ``cast``: the dtype each chunk is cast to first (``vol.astype(cast).sum()``).
-    """
-    groups = groups_of(specs)
-    stream = stream_start(groups, source, chunks, dtype, op, axis, ddof, cast)
-    for k in range(len(groups)):
-        stream_step(stream, k)
-    return stream_result(stream, keepdims)
-
-
+#: Reduced axes spanning at most this many slices fold slice by slice (``_Accumulator._planes``).
 _MOST_PLANES = 64
 
 

@@ -21,7 +21,8 @@ import numpy as np
 from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "GROUP", "STAGED"]
+__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "held_bytes",
+           "inflight_room", "GROUP", "STAGED"]
 
 GROUP = 256 << 20
 STAGED = 512 << 20
@@ -31,7 +32,7 @@ def inflight_room(dev: Any) -> int:
     """Bytes of reads a pipeline may hold in flight on ``dev`` beyond its own minimum: an eighth
     of the device's free memory, at most 4 GiB. On an H100, 4 GiB of a streamed reduction's reads
     in flight instead of 1 GiB took ``astype("f8").sum()`` from 0.77 to 0.90 and ``mean()`` from
-    0.85 to 0.94 of the whole read. None on ``"cpu"``, where the host's page cache, not a device,
+    0.85 to 0.94 of the whole read. 0 on ``"cpu"``, where the host's page cache, not a device,
     is what reads fill."""
     if not dev.is_gpu:
         return 0
@@ -186,10 +187,10 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
                 landed(spec, arr)
         return nbytes
 
-    for group in _groups(todo):
+    for group in groups_by_bytes(todo, lambda item: item[0].nbytes):
         if errors:
             break
-        nbytes = sum(_held_bytes(spec, dest) for spec, dest in group)
+        nbytes = sum(held_bytes(spec, dest) for spec, dest in group)
         while inflight and held + nbytes > limit:
             held -= finish(inflight.popleft())
         try:
@@ -206,21 +207,23 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
         raise errors[0]
 
 
-def _groups(todo: list[tuple[ChunkSpec, Any]]) -> list[list[tuple[ChunkSpec, Any]]]:
-    """Consecutive chunks in groups of about ``GROUP`` bytes read."""
+def groups_by_bytes(items: list, nbytes: Any, size: int | None = None) -> list[list]:
+    """Consecutive ``items`` in groups of about ``size`` bytes (default ``GROUP``; ``nbytes(item)``
+    each), none empty."""
+    size = GROUP if size is None else size
     groups: list[list] = [[]]
-    size = 0
-    for item in todo:
-        n = item[0].nbytes
-        if groups[-1] and size + n > GROUP:
+    held = 0
+    for item in items:
+        n = nbytes(item)
+        if groups[-1] and held + n > size:
             groups.append([])
-            size = 0
+            held = 0
         groups[-1].append(item)
-        size += n
+        held += n
     return [g for g in groups if g]
 
 
-def _held_bytes(spec: ChunkSpec, dest: Any) -> int:
+def held_bytes(spec: ChunkSpec, dest: Any = None) -> int:
     """Bytes a chunk holds until it is handed on: its stored bytes when they land in a buffer of
     their own, and its array when the engine allocates it (0 for a read landing in place)."""
     from gpulazy.read.engine import byte_view

@@ -165,6 +165,32 @@ def write_zarr2_blosc(folder: str, g: Geometry) -> str:
     return path
 
 
+def write_zarr_lz4(folder: str, g: Geometry) -> str:
+    """Zarr v3 with numcodecs' LZ4 (level 1) and 2D chunks of (1, 1024, 1024)."""
+    import zarr
+    from zarr.codecs.numcodecs import LZ4
+
+    path = os.path.join(folder, "lz4.zarr")
+    z = zarr.create_array(path, shape=(g.n, g.side, g.side), chunks=g.clip((1, 1024, 1024)), dtype="uint16",
+                          zarr_format=3, compressors=[LZ4(acceleration=1)])
+    _in_slabs(g, 8, lambda z0, slab: z.__setitem__(slice(z0, z0 + len(slab)), slab))
+    return path
+
+
+def write_tiff_deflate(folder: str, g: Geometry) -> str:
+    """One multi-page TIFF, each page in 512 x 512 tiles compressed with deflate (zlib level 1)."""
+    import tifffile
+
+    path = os.path.join(folder, "deflate.tif")
+    t = 512 if g.side % 512 == 0 else 16  # TIFF tiles are multiples of 16
+    tiles = (plane(z, g.side)[y:y + t, x:x + t] for z in range(g.n)
+             for y in range(0, g.side, t) for x in range(0, g.side, t))  # one at a time: never the whole volume
+    with tifffile.TiffWriter(path, bigtiff=True) as w:
+        w.write(tiles, shape=(g.n, g.side, g.side), dtype="uint16", tile=(t, t), compression="zlib", compressionargs={"level": 1},
+                maxworkers=_THREADS)
+    return path
+
+
 def write_hdf5_bitshuffle(folder: str, g: Geometry) -> str:
     """HDF5 chunks of (8, 512, 512) through hdf5plugin's bitshuffle + LZ4 filter (as Dectris writes)."""
     import h5py
@@ -218,9 +244,11 @@ WRITERS: dict[str, Callable[[str, Geometry], str]] = {
     "hdf5-gzip": lambda d, g: write_hdf5(d, g, gzip=True),
     "zarr2-blosc": write_zarr2_blosc,
     "hdf5-bitshuffle": write_hdf5_bitshuffle,
+    "zarr-lz4": write_zarr_lz4,
+    "tiff-deflate": write_tiff_deflate,
 }
 DEFAULT_ONLY = ("raw,tiff,zarr,zarr-zstd,zarr-zstd-sharded,zarr-3d,zarr-zstd-3d,hdf5,hdf5-gzip,zarr2-blosc,"
-                "hdf5-bitshuffle")
+                "hdf5-bitshuffle,zarr-lz4,tiff-deflate")
 
 
 class Store:
@@ -463,6 +491,11 @@ def _refs(fmt: str, path: str, device: str, g: Geometry, limit: int) -> dict[str
             refs["np.fromfile"] = (lambda: read_raw(path, g, device), n)
         else:
             refs["KvikIO CuFile.pread"] = raw_reference_skip(device) or (lambda: read_raw(path, g, device), n)
+    if fmt == "tiff-deflate":
+        import tifffile
+
+        refs["tifffile.imread -> cp.asarray"] = (lambda: to_device(tifffile.imread(path, key=range(small)), device),
+                                                 small)
     if fmt == "tiff":
         import tifffile
 

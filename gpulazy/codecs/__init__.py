@@ -64,6 +64,7 @@ def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Devi
     # Decoding, filling and placing run on gpulazy's own stream, never the caller's: a chunk
     # assembled on the caller's (legacy) stream was copied into the cache on gpulazy's stream
     # before it was complete (napari showed rows of zeros and other planes' pixels).
+    placed: list[tuple[Any, Any, tuple[int, ...]]] = []
     with own_stream(device):
         results = [_prepare(device.alloc(spec.shape, spec.out_dtype) if out is None else out, spec)
                    for spec, out in zip(specs, outs)]
@@ -71,8 +72,9 @@ def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Devi
             expected = [math.prod(t.shape) * np.dtype(specs[k].dtype).itemsize for k, t, _, _ in members]
             pieces = decode_pieces([bufs[k][a:a + n] for k, _, a, n in members], codec, expected, device,
                                    where=[t.range for _, t, _, _ in members])
-            for (k, tile, _, _), raw in zip(members, pieces):  # each exactly its tile's bytes
-                _place(results[k], _typed(raw, np.dtype(specs[k].dtype), tile, device), tile)
+            placed.extend((results[k], _typed(raw, np.dtype(specs[k].dtype), tile, device), tile.origin)
+                          for (k, tile, _, _), raw in zip(members, pieces))  # each exactly its tile's bytes
+        _place_all(placed, device)
     record_fills(specs)  # pieces never written, handed out as the fill value: gpulazy.stats()["chunks_filled"]
     return results
 
@@ -106,15 +108,15 @@ def _typed(raw: Any, dt: np.dtype, tile: Tile, device: Device) -> Any:
     return arr.reshape(tile.shape)
 
 
-def _place(out: Any, arr: Any, tile: Tile) -> None:
-    dst, src = [], []
-    for o, n, s in zip(tile.origin, tile.shape, out.shape):
-        a, b = max(o, 0), min(o + n, s)
-        if b <= a:
-            return
-        dst.append(slice(a, b))
-        src.append(slice(a - o, b - o))
-    out[tuple(dst)] = arr[tuple(src)]
+def _place_all(placed: list[tuple[Any, Any, tuple[int, ...]]], device: Device) -> None:
+    """Every decoded tile into its chunk: one kernel launch on a GPU, an assignment each on the host."""
+    from gpulazy.codecs import place
+
+    if device.is_gpu:
+        place.place(placed)
+    else:
+        for chunk, tile, origin in placed:
+            place.assign(chunk, tile, origin)
 
 
 def decoded_on(codec: Sequence[Any] | None, device: Device) -> str:

@@ -210,7 +210,10 @@ def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cup
             except TypeError as e:  # this build takes no caller outputs
                 _NO_CALLER_OUTPUT[algorithm] = f"{type(e).__name__}: {e}"
             else:
-                return views, [int(n) for n in res.buffer_sizes], None  # buffer_sizes waits for the decode
+                # Wait through CuPy, which lets go of the GIL (the thread submitting the next
+                # reads runs meanwhile); then buffer_sizes has nothing left to wait for.
+                cupy.cuda.get_current_stream().synchronize()
+                return views, [int(n) for n in res.buffer_sizes], None
         res = codec.decode(batch)
         got = [int(n) for n in res.buffer_sizes]
     except Exception as e:  # a status nvCOMP reports for the batch (a piece too big, corrupt data)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import queue
+import threading
 from collections import deque
 from typing import Any
 
@@ -173,13 +175,16 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
     """
     from gpulazy.read.engine import start
 
-    inflight: deque = deque()
+    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=_decode_group(todo, limit))
+    inflight: deque = deque()  # (reads, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
+    settler = _Settler(threaded=len(groups) > 1)
 
-    def finish(entry: tuple) -> int:
-        reads, group, nbytes = entry
-        reads.settle()
+    def hand_out() -> None:
+        nonlocal held
+        reads, group, nbytes = inflight.popleft()
+        settler.wait(reads)
         for k, (spec, _) in enumerate(group):
             try:
                 arr = reads.chunk(k)
@@ -188,26 +193,72 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
                 continue
             if not errors:
                 landed(spec, arr)
-        return nbytes
+        held -= nbytes
 
-    for group in groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=_decode_group(todo, limit)):
-        if errors:
-            break
-        nbytes = sum(held_bytes(spec, dest) for spec, dest in group)
-        while inflight and held + nbytes > limit:
-            held -= finish(inflight.popleft())
-        try:
-            reads = start([s for s, _ in group], backend, [d for _, d in group], verify=verify, staged=False,
-                          check=False)
-        except BaseException as e:
-            errors.append(e)
-            break
-        inflight.append((reads, group, nbytes))
-        held += nbytes
-    while inflight:
-        finish(inflight.popleft())
+    try:
+        for group in groups:
+            if errors:
+                break
+            nbytes = sum(held_bytes(spec, dest) for spec, dest in group)
+            while inflight and held + nbytes > limit:
+                hand_out()
+            try:
+                reads = start([s for s, _ in group], backend, [d for _, d in group], verify=verify, staged=False,
+                              check=False)
+            except BaseException as e:
+                errors.append(e)
+                break
+            inflight.append((reads, group, nbytes))
+            held += nbytes
+            settler.add(reads)
+        while inflight:
+            hand_out()
+    finally:
+        settler.close()  # every submitted read settles, on an error or Ctrl-C too
     if errors:
         raise errors[0]
+
+
+class _Settler:
+    """Settles submissions (waits for their reads, decodes and places them) in order, on a thread
+    of its own when there are several, so the thread that submits the next reads is not held up
+    meanwhile. Submitting a 4 GiB zstd Zarr's reads took 0.11 s of Python and decoding them
+    0.18 s of waiting on nvCOMP: one after the other in one thread, they made a 15.8 GB/s read.
+    Chunks are still handed out (``landed``) on the caller's thread, in order."""
+
+    def __init__(self, threaded: bool):
+        self._events: dict[int, threading.Event] = {}
+        self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
+        self._thread: threading.Thread | None = None
+        if self._queue is not None:
+            self._thread = threading.Thread(target=self._run, name="gpulazy-settle", daemon=True)
+            self._thread.start()
+
+    def add(self, reads: Any) -> None:
+        if self._queue is not None:
+            self._events[id(reads)] = threading.Event()
+            self._queue.put(reads)
+
+    def wait(self, reads: Any) -> None:
+        """Returns once ``reads`` is settled (settling it here when there is no thread)."""
+        event = self._events.pop(id(reads), None)
+        if event is None:
+            reads.settle()
+        else:
+            event.wait()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (reads := self._queue.get()) is not None:
+            try:
+                reads.settle()
+            except BaseException:  # noqa: S110 (its chunks raise it again to the caller: ``Reads.chunk``)
+                pass
+            self._events[id(reads)].set()
 
 
 def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:

@@ -175,3 +175,35 @@ def test_a_file_changed_after_indexing_is_never_read(tmp_path):
     os.replace(p + ".new", p)
     with pytest.raises(ChunkReadError, match="changed since it was indexed"):
         start(specs, get_backend("posix", "cpu"))
+
+
+def _settle_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "gpulazy-settle"]
+
+
+def test_a_whole_read_in_many_submissions_settled_on_a_thread_gives_every_value(tmp_path, monkeypatch):
+    from gpulazy.read import whole
+
+    monkeypatch.setattr(whole, "GROUP", 1024)  # a submission per chunk or two: many of them in flight
+    data = np.random.default_rng(3).integers(0, 999, (24, 32, 32)).astype("<u2")
+    p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(4, 32, 32))
+    np.testing.assert_array_equal(vol.compute(), data)
+    assert _settle_threads() == []
+
+
+def test_a_corrupt_chunk_in_a_later_submission_raises_with_its_path_and_leaves_no_thread(tmp_path, monkeypatch):
+    from gpulazy.read import whole
+
+    monkeypatch.setattr(whole, "GROUP", 1024)
+    data = np.random.default_rng(4).integers(0, 999, (24, 32, 32)).astype("<u2")
+    p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
+    with open(f"{p}/c/9/1/0", "r+b") as f:  # garble the frame's header, keep its size
+        f.write(b"\xff" * 8)
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(4, 32, 32))
+    with pytest.raises(ChunkDecodeError) as e:
+        vol.compute()
+    assert "c/9/1/0" in str(e.value)
+    assert _settle_threads() == []

@@ -236,8 +236,8 @@ class _Settler:
 
     def add(self, reads: Any) -> None:
         if self._queue is not None:
-            self._events[id(reads)] = threading.Event()
-            self._queue.put(reads)
+            event = self._events[id(reads)] = threading.Event()
+            self._queue.put((reads, event))
 
     def wait(self, reads: Any) -> None:
         """Returns once ``reads`` is settled (settling it here when there is no thread)."""
@@ -253,12 +253,13 @@ class _Settler:
             self._thread.join()
 
     def _run(self) -> None:
-        while (reads := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            reads, event = item
             try:
                 reads.settle()
             except BaseException:  # noqa: S110 (its chunks raise it again to the caller: ``Reads.chunk``)
                 pass
-            self._events[id(reads)].set()
+            event.set()
 
 
 def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:

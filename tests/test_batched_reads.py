@@ -467,3 +467,13 @@ def test_a_distributed_compute_after_a_failed_one_reads_again(tmp_path):
             assert np.array_equal(vol.max(axis=0).compute(), data.max(axis=0))
     finally:
         fault_backend.uninstall()
+
+
+@pytest.mark.parametrize(("soft", "want"), [(1024, 256), (20000, 4096), (100, 64), (8192, 2048)])
+def test_handles_kept_open_follow_the_open_file_limit(monkeypatch, soft, want):
+    resource = pytest.importorskip("resource")
+    from gpulazy.io._handles import default_capacity
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, 1 << 20))
+    assert default_capacity() == want
+    assert HandleCache(lambda p: p, lambda o: None).capacity == want

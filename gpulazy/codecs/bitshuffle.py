@@ -197,15 +197,13 @@ def _to_host(result: Any, i: int, why: str) -> None:
 def block_table(plans: dict[int, Header]) -> np.ndarray:
     """One int64 row per LZ4 block of every planned piece, in ``plans`` order: (piece, decoded
     bytes, where they go in the piece's output). Every block but a piece's last is ``block`` elements."""
-    parts = [np.empty((0, 3), np.int64)]
-    for i, h in plans.items():
-        t = np.empty((h.nblocks, 3), np.int64)
-        t[:, 0], t[:, 1] = i, h.block * h.elementsize
-        t[:, 2] = np.arange(h.nblocks) * (h.block * h.elementsize)
-        if h.nblocks:
-            t[-1, 1] = h.last * h.elementsize
-        parts.append(t)
-    return np.concatenate(parts)
+    ids = np.array(list(plans), np.int64)
+    counts, step, last = (np.array([f(h) for h in plans.values()], np.int64).reshape(-1) for f in (
+        lambda h: h.nblocks, lambda h: h.block * h.elementsize, lambda h: h.last * h.elementsize))
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    t = np.column_stack([np.repeat(ids, counts), np.repeat(step, counts), within * np.repeat(step, counts)])
+    t[np.cumsum(counts)[counts > 0] - 1, 1] = last[counts > 0]
+    return t.astype(np.int64).reshape(-1, 3)
 
 
 def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any, device_index: int) -> None:
@@ -215,6 +213,7 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     view of each block that nvCOMP's list-of-arrays call takes.
     """
     from gpulazy.codecs import _assemble, filters, nvcomp
+    from gpulazy.codecs.blosc import by_piece
 
     blocks = block_table(plans)
     piece, nbytes, _ = blocks.T
@@ -222,7 +221,7 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     bad = [i for i, good in zip(plans, ok) if not good]
     for i in bad:
         _to_host(result, i, "bitshuffle block sizes do not fit the piece (truncated or corrupt)")
-    sel = np.flatnonzero(~np.isin(piece, bad))
+    sel = np.flatnonzero(by_piece(len(pieces), dict.fromkeys(bad, 1))[piece] == 0)
     views = [pieces[i][o:o + c] for i, o, c in zip(piece[sel].tolist(), offsets[sel].tolist(), csizes[sel].tolist())]
     res = nvcomp.decode(views, Codec("lz4_raw"), nbytes[sel].tolist(), device_index) if views \
         else nvcomp.Decoded([])
@@ -248,23 +247,26 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
 
 def assemble_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int], tails: dict[int, int]
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """``_assemble``'s table for the pieces in ``dest`` (piece -> output address): a bit-unshuffle
-    row per LZ4 block (block ``k`` of ``blocks`` decoded at slot ``k``), then a copy row per piece
-    with leftover elements, read from ``tails[i]`` (slots from ``len(blocks)``: their addresses,
-    the second array returned, follow the blocks' in the pointer table)."""
+    """``_assemble``'s table for the pieces in ``dest`` (piece -> output address, never 0): a
+    bit-unshuffle row per LZ4 block (block ``k`` of ``blocks`` decoded at slot ``k``), then a
+    copy row per piece with leftover elements, read from ``tails[i]`` (slots from
+    ``len(blocks)``: their addresses, the second array returned, follow the blocks')."""
     from gpulazy.codecs.blosc import by_piece
 
     piece, nbytes, at = blocks.T
-    out = by_piece(max([*dest, *piece.tolist()[-1:]], default=0) + 1, dest)
-    rows = np.flatnonzero(np.isin(piece, list(dest)))
+    out = by_piece(max([*dest, int(piece.max(initial=0))]) + 1, dest)
+    rows = np.flatnonzero(out[piece])
     es = next(iter(plans.values())).elementsize
-    table = [np.column_stack([out[piece[rows]] + at[rows], nbytes[rows], np.full(len(rows), es),
-                              np.full(len(rows), 2), rows, nbytes[rows]])]
     left = [i for i in dest if plans[i].leftover]  # the trailing elements, stored as they are
+    table = np.empty((len(rows) + len(left), 6), np.int64)
+    body = table[:len(rows)]
+    body[:, 0] = out[piece[rows]] + at[rows]
+    body[:, 1] = body[:, 5] = nbytes[rows]
+    body[:, 2], body[:, 3], body[:, 4] = es, 2, rows
     for m, i in enumerate(left):
         n = plans[i].leftover
-        table.append(np.array([[dest[i] + plans[i].nbytes - n, n, es, 0, len(blocks) + m, n]], np.int64))
-    return np.concatenate(table).astype(np.int64), np.array([tails[i] for i in left], np.uint64)
+        table[len(rows) + m] = (dest[i] + plans[i].nbytes - n, n, es, 0, len(blocks) + m, n)
+    return table, np.array([tails[i] for i in left], np.uint64)
 
 
 def _walk(pieces: Sequence[Any], plans: dict[int, Header]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -317,12 +317,13 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     ptr = by_piece(len(pieces), {i: pieces[i].data.ptr for i in plans})
     pointers = np.zeros(len(of), np.uint64)
     pointers[raw] = (ptr[of[raw]] + offsets[raw]).astype(np.uint64)
-    live = ~np.isin(of, bad)
+    # Each piece's inner codec as a number (0: none, its blocks refused by the walk).
+    inners = sorted({h.codec for h in plans.values()})
+    code = by_piece(len(pieces), {i: 1 + inners.index(h.codec) for i, h in plans.items() if i not in bad})[of]
     failed: set[int] = set()
     held: list[Any] = []  # nvCOMP's outputs, alive until the assemble launch is queued
-    for inner in sorted({h.codec for h in plans.values()}):
-        mine = np.isin(of, [i for i, h in plans.items() if h.codec == inner])
-        failed |= _inflate(pieces, np.flatnonzero(live & mine & ~raw), (of, offsets, csizes, neblock), inner,
+    for c, inner in enumerate(inners, 1):
+        failed |= _inflate(pieces, np.flatnonzero((code == c) & ~raw), (of, offsets, csizes, neblock), inner,
                            device_index, pointers, result, held)
     kept = sorted(set(plans) - set(bad) - failed)
     if not kept:
@@ -335,16 +336,19 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
 
 def assemble_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int]) -> np.ndarray:
     """``_assemble``'s table for the blocks (``block_table(plans)``) of the pieces in ``dest``
-    (piece -> output address): each block to its place, unshuffled by its piece's mode."""
+    (piece -> output address, never 0): each block to its place, unshuffled by its piece's mode."""
     piece, index, bsize, streams, first = blocks.T
-    n = int(max([*dest, *piece.tolist()[-1:]], default=0)) + 1
+    n = max([*dest, int(piece.max(initial=0))]) + 1
     out = by_piece(n, dest)
     typesize, mode, blocksize = (by_piece(n, {i: getattr(plans[i], a) for i in dest})
                                  for a in ("typesize", "mode", "blocksize"))
-    rows = np.isin(piece, list(dest))
+    rows = np.flatnonzero(out[piece])
     p = piece[rows]
-    return np.column_stack([out[p] + index[rows] * blocksize[p], bsize[rows], typesize[p], mode[p], first[rows],
-                            bsize[rows] // streams[rows]]).astype(np.int64)
+    table = np.empty((len(rows), 6), np.int64)
+    table[:, 0] = out[p] + index[rows] * blocksize[p]
+    table[:, 1], table[:, 2], table[:, 3], table[:, 4] = bsize[rows], typesize[p], mode[p], first[rows]
+    table[:, 5] = bsize[rows] // streams[rows]
+    return table
 
 
 def by_piece(n: int, values: dict[int, int]) -> np.ndarray:

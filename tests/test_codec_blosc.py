@@ -405,7 +405,7 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin():
 def test_gpu_assemble_kernel_agrees_with_unshuffle_twin(mode, typesize, bsize, streams):
     import cupy
 
-    from gpulazy.codecs._assemble import assemble
+    from gpulazy.codecs._unshuffle import unshuffle_blocks
     from gpulazy.codecs.blosc import Header
 
     rng = np.random.default_rng(bsize + mode)
@@ -414,7 +414,7 @@ def test_gpu_assemble_kernel_agrees_with_unshuffle_twin(mode, typesize, bsize, s
     flags = {0: 0, 1: 1, 2: 4}[mode] | 0x20
     h = Header(flags, typesize, bsize, bsize, 0)
     out = cupy.zeros(bsize, dtype=np.uint8)
-    assemble(np.array([[out.data.ptr, bsize, typesize, h.mode, 0, bsize // streams]]),
+    unshuffle_blocks(np.array([[out.data.ptr, bsize, typesize, h.mode, 0, bsize // streams]]),
              np.array([p.data.ptr for p in parts], np.uint64))
     want = blosc.unshuffle_block(shuffled, typesize, h.mode)
     got = out.get()
@@ -422,7 +422,7 @@ def test_gpu_assemble_kernel_agrees_with_unshuffle_twin(mode, typesize, bsize, s
 
 
 def test_gpu_kernel_sources_name_their_entry_points():
-    from gpulazy.codecs import _assemble
+    from gpulazy.codecs import _unshuffle
 
-    for src, name in ((blosc._WALK, "gl_blosc_walk"), (_assemble._ASSEMBLE, "gl_unshuffle_blocks")):
+    for src, name in ((blosc._WALK, "gl_blosc_walk"), (_unshuffle._KERNEL, "gl_unshuffle_blocks")):
         assert f'extern "C" __global__ void {name}(' in src

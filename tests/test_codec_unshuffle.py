@@ -1,8 +1,8 @@
-"""The unshuffle kernel (``gpulazy.codecs._assemble``) and the tables blosc and bitshuffle build for it.
+"""The unshuffle kernel (``gpulazy.codecs._unshuffle``) and the tables blosc and bitshuffle build for it.
 
 The CPU tests run ``emulate``: the kernel's index arithmetic, item by item, in NumPy (the
 same formulas as the CUDA source, on a byte array standing for device memory), over the
-very tables ``blosc.assemble_rows`` and ``bitshuffle.assemble_rows`` build, and require
+very tables ``blosc.unshuffle_rows`` and ``bitshuffle.unshuffle_rows`` build, and require
 the bytes of the host twin (``blosc.unshuffle_block``), of c-blosc (numcodecs) and of
 h5py + hdf5plugin; every output byte must be written exactly once. Where a C++ compiler
 is found, the kernel's own CUDA source is also compiled for the host (the CUDA built-ins
@@ -21,7 +21,7 @@ import numcodecs
 import numpy as np
 import pytest
 
-from gpulazy.codecs import _assemble, bitshuffle, blosc
+from gpulazy.codecs import _unshuffle, bitshuffle, blosc
 from gpulazy.spec import Codec
 
 lz4_block = pytest.importorskip("lz4.block")
@@ -188,7 +188,7 @@ def host_kernel(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler to build the kernel source for the host")
     d = tmp_path_factory.mktemp("kernel")
-    (d / "k.cpp").write_text(HARNESS % _assemble._ASSEMBLE)
+    (d / "k.cpp").write_text(HARNESS % _unshuffle._KERNEL)
     subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cpp")], check=True)
     lib = ctypes.CDLL(str(d / "k.so"))
 
@@ -197,7 +197,7 @@ def host_kernel(tmp_path_factory):
         table = np.array(rows, np.int64)
         table[:, 0] += base
         src = np.asarray(pointers, np.uint64) + np.uint64(base)
-        lib.gl_run(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(_assemble.THREADS),
+        lib.gl_run(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(_unshuffle.THREADS),
                    src.ctypes.data_as(ctypes.c_void_p), table.ctypes.data_as(ctypes.c_void_p),
                    ctypes.c_longlong(len(table)))
 
@@ -208,13 +208,13 @@ def host_kernel(tmp_path_factory):
 def test_kernel_source_run_on_the_host_matches_the_twin(host_kernel, rows_per_grid):
     arena = Arena()
     rows, pointers, want = twin_batch(arena)
-    gx, gy = _assemble.grid(np.array(rows))
+    gx, gy = _unshuffle.grid(np.array(rows))
     host_kernel(arena, np.array(rows), np.array(pointers, np.uint64), (gx, rows_per_grid or gy))
     for (d, bsize, ts, mode, _, neblock), w in zip(rows, want):
         assert arena.bytes(d, bsize) == w, (ts, bsize, bsize // neblock, mode)
 
 
-# -- HDF5 bitshuffle: the table ``bitshuffle.assemble_rows`` builds ----------------------------
+# -- HDF5 bitshuffle: the table ``bitshuffle.unshuffle_rows`` builds ----------------------------
 
 def hdf5_chunks(tmp_path, es: int, n: int, nelems: int) -> tuple[list[bytes], bytes]:
     """Chunks of ``n`` elements written by hdf5plugin's own filter, and their bytes per h5py."""
@@ -249,7 +249,7 @@ def test_emulated_kernel_decodes_hdf5plugin_chunks(tmp_path, es, n, nelems):
         pointers.append(arena.put(decoded))
     dest = {i: arena.take(n * es) for i in plans}
     tails = {i: where[i] + len(blobs[i]) - plans[i].leftover for i in plans}
-    rows, stored = bitshuffle.assemble_rows(plans, blocks, dest, tails)
+    rows, stored = bitshuffle.unshuffle_rows(plans, blocks, dest, tails)
     hits = emulate(arena.mem, rows, np.concatenate([np.array(pointers, np.uint64), stored]))
     got = b"".join(arena.bytes(dest[i], n * es) for i in plans)
     assert got == want
@@ -264,7 +264,7 @@ def test_bitshuffle_block_table_matches_the_header():
         assert t[:, 2].tolist() == [2 * sum(h.sizes[:k]) for k in range(h.nblocks)]
 
 
-# -- blosc: the table ``blosc.assemble_rows`` builds -------------------------------------------
+# -- blosc: the table ``blosc.unshuffle_rows`` builds -------------------------------------------
 
 def blosc_split_bitshuffle(raw: bytes, ts: int, blocksize: int) -> bytes:
     """A blosc1 buffer with bit-shuffled blocks split into ``ts`` LZ4 streams (byte position
@@ -321,7 +321,7 @@ def test_emulated_kernel_decodes_c_blosc_in_one_batch():
             pointers.append(at + off if c == n else arena.put(lz4_block.decompress(blob[off:off + c], n)))
     assert len(pointers) == int(blocks[:, 3].sum())
     dest = {i: arena.take(h.nbytes) for i, h in plans.items()}
-    hits = emulate(arena.mem, blosc.assemble_rows(plans, blocks, dest), np.array(pointers, np.uint64))
+    hits = emulate(arena.mem, blosc.unshuffle_rows(plans, blocks, dest), np.array(pointers, np.uint64))
     for i, h in plans.items():
         assert arena.bytes(dest[i], h.nbytes) == cases[i][1], (i, h)
         assert (hits[dest[i]:dest[i] + h.nbytes] == 1).all()
@@ -354,7 +354,7 @@ def test_gpu_kernel_matches_the_host_twin_in_one_launch():
         keep += parts
         pointers += [p.data.ptr for p in parts]
         want.append(blosc.unshuffle_block(shuffled, ts, mode).tobytes())
-    _assemble.assemble(np.array(rows), np.array(pointers, np.uint64))
+    _unshuffle.unshuffle_blocks(np.array(rows), np.array(pointers, np.uint64))
     for case, out, w in zip(cases, outs, want):
         got = out.get().tobytes()
         assert got == w, f"{case}: first wrong byte {next(k for k in range(len(w)) if got[k] != w[k])}"

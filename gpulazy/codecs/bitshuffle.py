@@ -10,7 +10,7 @@ bit shuffle: bit ``b`` of byte ``j`` of element ``i`` is bit ``(8 j + b) * n + i
 
 On the GPU (``decode``): headers checked on the host, one thread per chunk walks its block
 sizes (``_WALK``; host twin ``walk_blocks``), every LZ4 block of the batch goes to nvCOMP
-in one call, one launch of ``gpulazy.codecs._assemble`` bit-unshuffles every block of every
+in one call, one launch of ``gpulazy.codecs._unshuffle`` bit-unshuffles every block of every
 chunk into place (an 8 x 8 bit transpose per thread) and copies the leftover elements. The
 plan is NumPy tables over the batch's blocks; the host syncs are one per batch (the header
 bytes, the walk's table, nvCOMP's sizes), none per chunk.
@@ -212,7 +212,7 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     The plan is NumPy tables over the batch's blocks (no Python per block) but for the CuPy
     view of each block that nvCOMP's list-of-arrays call takes.
     """
-    from gpulazy.codecs import _assemble, filters, nvcomp
+    from gpulazy.codecs import _unshuffle, filters, nvcomp
     from gpulazy.codecs.blosc import by_piece
 
     blocks = block_table(plans)
@@ -241,13 +241,13 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     for i, out in zip(kept, outs):
         result.out[i] = out
     tails = {i: pieces[i].data.ptr + int(pieces[i].size) - plans[i].leftover for i in kept}
-    rows, stored = assemble_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)}, tails)
-    _assemble.assemble(rows, np.concatenate([pointers, stored]))
+    rows, stored = unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)}, tails)
+    _unshuffle.unshuffle_blocks(rows, np.concatenate([pointers, stored]))
 
 
-def assemble_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int], tails: dict[int, int]
+def unshuffle_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int], tails: dict[int, int]
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """``_assemble``'s table for the pieces in ``dest`` (piece -> output address, never 0): a
+    """``_unshuffle``'s table for the pieces in ``dest`` (piece -> output address, never 0): a
     bit-unshuffle row per LZ4 block (block ``k`` of ``blocks`` decoded at slot ``k``), then a
     copy row per piece with leftover elements, read from ``tails[i]`` (slots from
     ``len(blocks)``: their addresses, the second array returned, follow the blocks')."""

@@ -20,7 +20,7 @@ the reference this follows rule by rule:
 On the GPU (``decode``): the headers are read and checked on the host (one copy of each
 piece's first bytes), one thread per block walks its streams' sizes (``_WALK``, whose host
 twin is ``walk_streams``), every LZ4 (or zstd) stream of every block of every chunk goes to
-nvCOMP in one batched call, and one kernel launch (``gpulazy.codecs._assemble``, host twin
+nvCOMP in one batched call, and one kernel launch (``gpulazy.codecs._unshuffle``, host twin
 ``unshuffle_block``) gathers each block's streams, undoes the shuffle and writes the
 chunk; the plan between them is NumPy tables over the batch's blocks and streams. Chunks
 whose inner codec nvCOMP does not decode (blosclz, zlib, snappy), and chunks whose framing
@@ -163,7 +163,7 @@ def walk_streams(data: bytes, h: Header) -> list[tuple[int, int]]:
 
 
 def unshuffle_block(shuffled: np.ndarray, typesize: int, mode: int) -> np.ndarray:
-    """One block's bytes from its decoded streams (concatenated): the host twin of ``_assemble``.
+    """One block's bytes from its decoded streams (concatenated): the host twin of ``_unshuffle``.
 
     ``mode`` 1: byte unshuffle, trailing bytes as they are; 2: bit unshuffle when the
     element count is a multiple of 8 (bit ``b`` of byte ``j`` of element ``i`` is bit
@@ -302,7 +302,7 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     The plan is NumPy tables over every block and stream of the batch (no Python per block);
     what is left per stream is the CuPy view that nvCOMP's list-of-arrays call takes.
     """
-    from gpulazy.codecs import _assemble, filters
+    from gpulazy.codecs import _unshuffle, filters
 
     blocks = block_table(plans)
     piece, _, bsize, streams, _ = blocks.T
@@ -321,7 +321,7 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     inners = sorted({h.codec for h in plans.values()})
     code = by_piece(len(pieces), {i: 1 + inners.index(h.codec) for i, h in plans.items() if i not in bad})[of]
     failed: set[int] = set()
-    held: list[Any] = []  # nvCOMP's outputs, alive until the assemble launch is queued
+    held: list[Any] = []  # nvCOMP's outputs, alive until the unshuffle launch is queued
     for c, inner in enumerate(inners, 1):
         failed |= _inflate(pieces, np.flatnonzero((code == c) & ~raw), (of, offsets, csizes, neblock), inner,
                            device_index, pointers, result, held)
@@ -331,11 +331,11 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     _, outs = filters.carve([plans[i].nbytes for i in kept])
     for i, out in zip(kept, outs):
         result.out[i] = out
-    _assemble.assemble(assemble_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)}), pointers)
+    _unshuffle.unshuffle_blocks(unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)}), pointers)
 
 
-def assemble_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int]) -> np.ndarray:
-    """``_assemble``'s table for the blocks (``block_table(plans)``) of the pieces in ``dest``
+def unshuffle_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int]) -> np.ndarray:
+    """``_unshuffle``'s table for the blocks (``block_table(plans)``) of the pieces in ``dest``
     (piece -> output address, never 0): each block to its place, unshuffled by its piece's mode."""
     piece, index, bsize, streams, first = blocks.T
     n = max([*dest, int(piece.max(initial=0))]) + 1

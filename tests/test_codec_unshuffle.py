@@ -393,3 +393,22 @@ def test_gpu_decodes_more_blocks_than_one_grid_row(tmp_path):
     res = bitshuffle.decode(pieces, Codec.of("bitshuffle_lz4", elementsize=1), [n] * 2)
     assert res.host == [], res.why
     assert b"".join(o.get().tobytes() for o in res.out) == want
+
+
+@pytest.mark.gpu
+def test_gpu_decodes_c_blosc_and_split_bitshuffle_in_one_batch():
+    import cupy
+
+    from gpulazy.codecs import decode_pieces
+    from gpulazy.device import get_device
+
+    cases = blosc_blobs()
+    buf = cupy.asarray(np.frombuffer(b"\x07" + b"".join(b for b, _ in cases), np.uint8))
+    cuts = np.cumsum([1, *(len(b) for b, _ in cases)]).tolist()
+    pieces = [buf[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    sizes = [len(r) for _, r in cases]
+    res = blosc.decode(pieces, Codec.of("blosc", cname="lz4"), sizes)
+    assert res.host == [], res.why
+    out = decode_pieces(pieces, (Codec.of("blosc", cname="lz4"),), sizes, get_device("cuda:0"))
+    for k, (o, (_, raw)) in enumerate(zip(out, cases)):
+        assert o.get().tobytes() == raw, k

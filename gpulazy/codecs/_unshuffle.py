@@ -41,9 +41,9 @@ _MAX_Y = 65535  # CUDA's grid y limit: the kernel strides over rows past it
 def unshuffle_blocks(rows: Any, pointers: Any) -> None:
     """Every block of ``rows`` (an (n, 6) int64 table) written from the streams at ``pointers``.
 
-    One kernel launch on the current stream, no host synchronisation. The caller keeps the
-    source and destination arrays alive until the launch is queued (CuPy's memory pool
-    orders reuse on the same stream after it).
+    One kernel launch on the current stream (the two tables copied up, nothing read back).
+    The caller keeps the source and destination arrays alive until the launch is queued
+    (CuPy's memory pool orders reuse on the same stream after it).
     """
     import cupy
 

@@ -34,7 +34,8 @@ import numpy as np
 from gpulazy.codecs._frames import FrameError
 from gpulazy.spec import Codec
 
-__all__ = ["Header", "parse_header", "walk_blocks", "decode_host", "handles", "decode", "block_table", "HEADER"]
+__all__ = ["Header", "parse_header", "walk_blocks", "decode_host", "handles", "decode", "block_table", "unshuffle_rows",
+           "HEADER"]
 
 HEADER = 12
 

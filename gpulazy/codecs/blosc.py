@@ -45,8 +45,8 @@ import numpy as np
 from gpulazy.codecs._frames import FrameError
 from gpulazy.spec import Codec
 
-__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode", "block_table",
-           "HEADER", "INNER_CODECS"]
+__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode",
+           "block_table", "unshuffle_rows", "by_piece", "HEADER", "INNER_CODECS"]
 
 HEADER = 16
 _VERSION, _VERSIONLZ = 2, 1
@@ -331,7 +331,8 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     _, outs = filters.carve([plans[i].nbytes for i in kept])
     for i, out in zip(kept, outs):
         result.out[i] = out
-    _unshuffle.unshuffle_blocks(unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)}), pointers)
+    rows = unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)})
+    _unshuffle.unshuffle_blocks(rows, pointers)
 
 
 def unshuffle_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int]) -> np.ndarray:

@@ -376,7 +376,7 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin():
     # walk_streams accepts the piece, and finds the same offsets and sizes.
     import cupy
 
-    from gpulazy.codecs.blosc import _Block, _walk
+    from gpulazy.codecs.blosc import _walk, block_table
 
     rng = np.random.default_rng(5)
     raw = data_for(100_000, 4, seed=2)
@@ -389,12 +389,7 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin():
             blob[at] = int(rng.integers(0, 256))
         blob = bytes(blob)
         piece = cupy.asarray(np.frombuffer(blob, np.uint8))
-        blocks, first = [], 0
-        for b in range(h.nblocks):
-            bsize, n = h.block(b)
-            blocks.append(_Block(0, b, b * h.blocksize, bsize, n, first))
-            first += n
-        offsets, sizes, ok = _walk([piece], {0: h}, blocks)
+        offsets, sizes, ok = _walk([piece], {0: h}, block_table({0: h}))
         try:
             want = blosc.walk_streams(blob, h)
         except FrameError:
@@ -410,21 +405,24 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin():
 def test_gpu_assemble_kernel_agrees_with_unshuffle_twin(mode, typesize, bsize, streams):
     import cupy
 
-    from gpulazy.codecs.blosc import Header, assemble
+    from gpulazy.codecs._unshuffle import unshuffle_blocks
+    from gpulazy.codecs.blosc import Header
 
     rng = np.random.default_rng(bsize + mode)
     shuffled = rng.integers(0, 256, bsize, dtype=np.uint8)
-    parts = np.split(shuffled, streams)
-    sources = {s: cupy.asarray(p) for s, p in enumerate(parts)}
+    parts = [cupy.asarray(p) for p in np.split(shuffled, streams)]
     flags = {0: 0, 1: 1, 2: 4}[mode] | 0x20
     h = Header(flags, typesize, bsize, bsize, 0)
     out = cupy.zeros(bsize, dtype=np.uint8)
-    assemble([(out.data.ptr, bsize, typesize, h.mode, 0, bsize // streams)], sources)
+    unshuffle_blocks(np.array([[out.data.ptr, bsize, typesize, h.mode, 0, bsize // streams]]),
+             np.array([p.data.ptr for p in parts], np.uint64))
     want = blosc.unshuffle_block(shuffled, typesize, h.mode)
     got = out.get()
     assert got.tobytes() == want.tobytes(), f"first wrong byte {int(np.argmax(got != want))}"
 
 
 def test_gpu_kernel_sources_name_their_entry_points():
-    for src, name in ((blosc._WALK, "gl_blosc_walk"), (blosc._ASSEMBLE, "gl_blosc_assemble")):
+    from gpulazy.codecs import _unshuffle
+
+    for src, name in ((blosc._WALK, "gl_blosc_walk"), (_unshuffle._KERNEL, "gl_unshuffle_blocks")):
         assert f'extern "C" __global__ void {name}(' in src

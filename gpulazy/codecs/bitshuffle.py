@@ -10,7 +10,10 @@ bit shuffle: bit ``b`` of byte ``j`` of element ``i`` is bit ``(8 j + b) * n + i
 
 On the GPU (``decode``): headers checked on the host, one thread per chunk walks its block
 sizes (``_WALK``; host twin ``walk_blocks``), every LZ4 block of the batch goes to nvCOMP
-in one call, one launch of blosc's assemble kernel bit-unshuffles them into the chunks.
+in one call, one launch of ``gpulazy.codecs._unshuffle`` bit-unshuffles every block of every
+chunk into place (an 8 x 8 bit transpose per thread) and copies the leftover elements. The
+plan is NumPy tables over the batch's blocks; the host syncs are one per batch (the header
+bytes, the walk's table, nvCOMP's sizes), none per chunk.
 On the host (``decode_host``): python-lz4 per block, then imagecodecs' bitshuffle (or
 NumPy when imagecodecs is missing). Codec: ``Codec.of("bitshuffle_lz4", elementsize=n)``.
 
@@ -31,7 +34,8 @@ import numpy as np
 from gpulazy.codecs._frames import FrameError
 from gpulazy.spec import Codec
 
-__all__ = ["Header", "parse_header", "walk_blocks", "decode_host", "handles", "decode", "HEADER"]
+__all__ = ["Header", "parse_header", "walk_blocks", "decode_host", "handles", "decode", "block_table", "unshuffle_rows",
+           "HEADER"]
 
 HEADER = 12
 
@@ -51,12 +55,19 @@ class Header:
     @property
     def sizes(self) -> list[int]:
         """Elements in each LZ4 block."""
-        full, rest = divmod(self.count, self.block)
-        return [self.block] * full + ([rest - rest % 8] if rest - rest % 8 else [])
+        return [self.block] * (self.nblocks - 1) + [self.last] if self.nblocks else []
 
     @property
     def nblocks(self) -> int:
-        return len(self.sizes)
+        full, rest = divmod(self.count, self.block)
+        return full + (rest >= 8)
+
+    @property
+    def last(self) -> int:
+        """Elements in the last LZ4 block (0 without blocks): the rest rounded down to a
+        multiple of 8, or a whole block when that leaves nothing."""
+        full, rest = divmod(self.count, self.block)
+        return rest - rest % 8 if rest >= 8 else (self.block if full else 0)
 
     @property
     def leftover(self) -> int:
@@ -162,7 +173,7 @@ def handles(c: Codec) -> bool:
 def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Any:
     """``pieces`` (1-D CuPy uint8) each to ``sizes[i]`` bytes: an ``nvcomp.Decoded``; pieces
     that fail a check or whose LZ4 nvCOMP refuses are in ``host`` (``decode_host`` says why)."""
-    from gpulazy.codecs import blosc, filters, nvcomp
+    from gpulazy.codecs import nvcomp
 
     result = nvcomp.Decoded([None] * len(pieces))
     es = int(codec.get("elementsize", 1))
@@ -172,64 +183,111 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
         try:
             plans[i] = parse_header(heads[i], int(p.size), int(n), es)
         except FrameError as e:
-            result.host.append(i)
-            result.why[i] = str(e)
-    walked = _walk(pieces, plans) if plans else {}
-    streams: list[tuple[int, int, Any, int]] = []  # (piece, block, view, decoded bytes)
-    for i, table in walked.items():
-        if table is None:
-            result.host.append(i)
-            result.why[i] = "bitshuffle block sizes do not fit the piece (truncated or corrupt)"
-            continue
-        for k, ((off, c), n) in enumerate(zip(table, plans[i].sizes)):
-            streams.append((i, k, pieces[i][off:off + c], n * es))
-    res = nvcomp.decode([v for _, _, v, _ in streams], Codec("lz4_raw"), [n for *_, n in streams], device_index) \
-        if streams else nvcomp.Decoded([])
-    failed = {streams[k][0] for k in range(len(streams)) if res.out[k] is None}
-    for i in sorted(failed):
-        result.host.append(i)
-        result.why[i] = "a bitshuffle LZ4 block did not decode on the GPU"
-    kept = [i for i in walked if walked[i] is not None and i not in failed]
-    if kept:
-        _, outs = filters.carve([plans[i].nbytes for i in kept])
-        decoded = {(piece, k): res.out[j] for j, (piece, k, _, _) in enumerate(streams)}
-        rows, sources = [], {}
-        for i, out in zip(kept, outs):
-            at = 0
-            for k, n in enumerate(plans[i].sizes):  # each block bit-unshuffled from nvCOMP's output
-                sources[len(sources)] = decoded[(i, k)]
-                rows.append((out.data.ptr + at, n * es, es, 2, len(sources) - 1, n * es))
-                at += n * es
-            if plans[i].leftover:  # the trailing elements, stored as they are
-                sources[len(sources)] = pieces[i][int(pieces[i].size) - plans[i].leftover:]
-                rows.append((out.data.ptr + at, plans[i].leftover, es, 0, len(sources) - 1, plans[i].leftover))
-            result.out[i] = out
-        blosc.assemble(rows, sources)
+            _to_host(result, i, str(e))
+    if plans:
+        _decode_planned(pieces, plans, result, device_index)
     result.host.sort()
     return result
 
 
-def _walk(pieces: Sequence[Any], plans: dict[int, Header]) -> dict[int, list[tuple[int, int]] | None]:
-    """Every chunk's block offsets and sizes (None: the walk failed): one thread per chunk, one copy down."""
+def _to_host(result: Any, i: int, why: str) -> None:
+    result.host.append(i)
+    result.why[i] = why
+
+
+def block_table(plans: dict[int, Header]) -> np.ndarray:
+    """One int64 row per LZ4 block of every planned piece, in ``plans`` order: (piece, decoded
+    bytes, where they go in the piece's output). Every block but a piece's last is ``block`` elements."""
+    ids = np.array(list(plans), np.int64)
+    counts, step, last = (np.array([f(h) for h in plans.values()], np.int64).reshape(-1) for f in (
+        lambda h: h.nblocks, lambda h: h.block * h.elementsize, lambda h: h.last * h.elementsize))
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    t = np.column_stack([np.repeat(ids, counts), np.repeat(step, counts), within * np.repeat(step, counts)])
+    t[np.cumsum(counts)[counts > 0] - 1, 1] = last[counts > 0]
+    return t.astype(np.int64).reshape(-1, 3)
+
+
+def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any, device_index: int) -> None:
+    """Walk, every LZ4 block of the batch in one nvCOMP call, bit-unshuffle in one launch.
+
+    The plan is NumPy tables over the batch's blocks (no Python per block) but for the CuPy
+    view of each block that nvCOMP's list-of-arrays call takes.
+    """
+    from gpulazy.codecs import _unshuffle, filters, nvcomp
+    from gpulazy.codecs.blosc import by_piece
+
+    blocks = block_table(plans)
+    piece, nbytes, _ = blocks.T
+    offsets, csizes, ok = _walk(pieces, plans)
+    bad = [i for i, good in zip(plans, ok) if not good]
+    for i in bad:
+        _to_host(result, i, "bitshuffle block sizes do not fit the piece (truncated or corrupt)")
+    sel = np.flatnonzero(by_piece(len(pieces), dict.fromkeys(bad, 1))[piece] == 0)
+    views = [pieces[i][o:o + c] for i, o, c in zip(piece[sel].tolist(), offsets[sel].tolist(), csizes[sel].tolist())]
+    res = nvcomp.decode(views, Codec("lz4_raw"), nbytes[sel].tolist(), device_index) if views \
+        else nvcomp.Decoded([])
+    pointers = np.zeros(len(blocks), np.uint64)  # slot k: block k's decoded (still shuffled) bytes
+    failed: set[int] = set()
+    for k, out in zip(sel.tolist(), res.out):
+        if out is None:
+            failed.add(int(piece[k]))
+        else:
+            pointers[k] = out.data.ptr
+    for i in sorted(failed):
+        _to_host(result, i, "a bitshuffle LZ4 block did not decode on the GPU")
+    kept = [i for i in plans if i not in failed and i not in bad]
+    if not kept:
+        return
+    _, outs = filters.carve([plans[i].nbytes for i in kept])
+    for i, out in zip(kept, outs):
+        result.out[i] = out
+    tails = {i: pieces[i].data.ptr + int(pieces[i].size) - plans[i].leftover for i in kept}
+    rows, stored = unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)}, tails)
+    _unshuffle.unshuffle_blocks(rows, np.concatenate([pointers, stored]))
+
+
+def unshuffle_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int], tails: dict[int, int]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``_unshuffle``'s table for the pieces in ``dest`` (piece -> output address, never 0): a
+    bit-unshuffle row per LZ4 block (block ``k`` of ``blocks`` decoded at slot ``k``), then a
+    copy row per piece with leftover elements, read from ``tails[i]`` (slots from
+    ``len(blocks)``: their addresses, the second array returned, follow the blocks')."""
+    from gpulazy.codecs.blosc import by_piece
+
+    piece, nbytes, at = blocks.T
+    out = by_piece(max([*dest, int(piece.max(initial=0))]) + 1, dest)
+    rows = np.flatnonzero(out[piece])
+    es = next(iter(plans.values())).elementsize
+    left = [i for i in dest if plans[i].leftover]  # the trailing elements, stored as they are
+    table = np.empty((len(rows) + len(left), 6), np.int64)
+    body = table[:len(rows)]
+    body[:, 0] = out[piece[rows]] + at[rows]
+    body[:, 1] = body[:, 5] = nbytes[rows]
+    body[:, 2], body[:, 3], body[:, 4] = es, 2, rows
+    for m, i in enumerate(left):
+        n = plans[i].leftover
+        table[len(rows) + m] = (dest[i] + plans[i].nbytes - n, n, es, 0, len(blocks) + m, n)
+    return table, np.array([tails[i] for i in left], np.uint64)
+
+
+def _walk(pieces: Sequence[Any], plans: dict[int, Header]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every block's offset and compressed size (``block_table`` order) and every planned piece's
+    ok flag (``plans`` order): one thread per piece, one launch and one copy down for the batch."""
     import cupy
 
     from gpulazy.codecs import filters
 
     order = list(plans)
-    firsts = np.cumsum([0, *(plans[i].nblocks for i in order)])
+    counts = np.array([plans[i].nblocks for i in order], np.int64)
+    firsts = np.cumsum(counts) - counts
     rows = np.array([[pieces[i].data.ptr, int(pieces[i].size) - plans[i].leftover, plans[i].nblocks, f]
-                     for i, f in zip(order, firsts[:-1])], dtype=np.int64)
-    total = int(firsts[-1])
+                     for i, f in zip(order, firsts.tolist())], dtype=np.int64)
+    total = int(counts.sum())
     found = cupy.zeros(2 * total + len(order), dtype=np.int64)
     k = filters.kernel("bitshuffle_walk", _WALK)
     k((-(-len(order) // 64),), (64,), (cupy.asarray(rows), found, np.int64(total), np.int64(len(order))))
     host = found.get()
-    out: dict[int, list[tuple[int, int]] | None] = {}
-    for j, (i, f) in enumerate(zip(order, firsts[:-1])):
-        n = plans[i].nblocks
-        ok = host[2 * total + j]
-        out[i] = list(zip(host[f:f + n].tolist(), host[total + f:total + f + n].tolist())) if ok else None
-    return out
+    return host[:total], host[total:2 * total], host[2 * total:]
 
 
 # One thread per chunk: the rules of ``walk_blocks``. ``row``: piece address, where the

@@ -20,11 +20,12 @@ the reference this follows rule by rule:
 On the GPU (``decode``): the headers are read and checked on the host (one copy of each
 piece's first bytes), one thread per block walks its streams' sizes (``_WALK``, whose host
 twin is ``walk_streams``), every LZ4 (or zstd) stream of every block of every chunk goes to
-nvCOMP in one batched call, and one kernel launch (``_ASSEMBLE``, host twin
+nvCOMP in one batched call, and one kernel launch (``gpulazy.codecs._unshuffle``, host twin
 ``unshuffle_block``) gathers each block's streams, undoes the shuffle and writes the
-chunk. Chunks whose inner codec nvCOMP does not decode (blosclz, zlib, snappy), and chunks
-whose framing fails a check, are handed back for the host (c-blosc through numcodecs), which
-decodes them or raises the error naming the file.
+chunk; the plan between them is NumPy tables over the batch's blocks and streams. Chunks
+whose inner codec nvCOMP does not decode (blosclz, zlib, snappy), and chunks whose framing
+fails a check, are handed back for the host (c-blosc through numcodecs), which decodes them
+or raises the error naming the file.
 
 >>> import numcodecs, numpy as np
 >>> blob = numcodecs.Blosc("lz4", shuffle=1).encode(np.arange(300, dtype="<u2"))
@@ -44,9 +45,8 @@ import numpy as np
 from gpulazy.codecs._frames import FrameError
 from gpulazy.spec import Codec
 
-__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode", "assemble",
-           "HEADER",
-           "INNER_CODECS"]
+__all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode",
+           "block_table", "unshuffle_rows", "by_piece", "HEADER", "INNER_CODECS"]
 
 HEADER = 16
 _VERSION, _VERSIONLZ = 2, 1
@@ -163,7 +163,7 @@ def walk_streams(data: bytes, h: Header) -> list[tuple[int, int]]:
 
 
 def unshuffle_block(shuffled: np.ndarray, typesize: int, mode: int) -> np.ndarray:
-    """One block's bytes from its decoded streams (concatenated): the host twin of ``_ASSEMBLE``.
+    """One block's bytes from its decoded streams (concatenated): the host twin of ``_unshuffle``.
 
     ``mode`` 1: byte unshuffle, trailing bytes as they are; 2: bit unshuffle when the
     element count is a multiple of 8 (bit ``b`` of byte ``j`` of element ``i`` is bit
@@ -296,105 +296,128 @@ def _to_host(result: Any, i: int, why: str) -> None:
     result.why[i] = why
 
 
-@dataclass
-class _Block:
-    piece: int
-    index: int  # within its piece
-    dest_offset: int  # within the piece's output
-    bsize: int
-    streams: int
-    first: int  # its first stream's slot
-
-
 def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any, device_index: int) -> None:
-    """Walk, decompress in one nvCOMP call per inner codec, unshuffle in one launch."""
-    from gpulazy.codecs import filters, nvcomp
+    """Walk, decompress in one nvCOMP call per inner codec, unshuffle in one launch.
 
-    blocks: list[_Block] = []
-    for i, h in plans.items():
-        for b, splits in enumerate(streams_per_block(h)):
-            blocks.append(_Block(i, b, b * h.blocksize, h.block(b)[0], splits,
-                                 blocks[-1].first + blocks[-1].streams if blocks else 0))
+    The plan is NumPy tables over every block and stream of the batch (no Python per block);
+    what is left per stream is the CuPy view that nvCOMP's list-of-arrays call takes.
+    """
+    from gpulazy.codecs import _unshuffle, filters
+
+    blocks = block_table(plans)
+    piece, _, bsize, streams, _ = blocks.T
     offsets, csizes, ok = _walk(pieces, plans, blocks)
-    bad = {blk.piece for blk, good in zip(blocks, ok) if not good}
-    for i in sorted(bad):
+    bad = sorted(set(piece[ok == 0].tolist()))
+    for i in bad:
         _to_host(result, i, "blosc block starts or stream sizes do not fit the piece (truncated or corrupt)")
-    blocks = [blk for blk in blocks if blk.piece not in bad]
-    # Every compressed stream of every kept piece: (slot, piece, view, decoded size), by inner codec.
-    sources: dict[int, Any] = {}
-    batches: dict[str, list[tuple[int, int, Any, int]]] = {}
-    for blk in blocks:
-        neblock = blk.bsize // blk.streams
-        for s in range(blk.first, blk.first + blk.streams):
-            view = pieces[blk.piece][int(offsets[s]):int(offsets[s]) + int(csizes[s])]
-            if int(csizes[s]) == neblock:
-                sources[s] = view  # stored raw
-            else:
-                batches.setdefault(plans[blk.piece].codec, []).append((s, blk.piece, view, neblock))
+    # Every stream: its piece, decoded size and address (one stored raw: where it lies in its piece).
+    of = np.repeat(piece, streams)
+    neblock = np.repeat(bsize // streams, streams)
+    raw = csizes == neblock
+    ptr = by_piece(len(pieces), {i: pieces[i].data.ptr for i in plans})
+    pointers = np.zeros(len(of), np.uint64)
+    pointers[raw] = (ptr[of[raw]] + offsets[raw]).astype(np.uint64)
+    # Each piece's inner codec as a number (0: none, its blocks refused by the walk).
+    inners = sorted({h.codec for h in plans.values()})
+    code = by_piece(len(pieces), {i: 1 + inners.index(h.codec) for i, h in plans.items() if i not in bad})[of]
     failed: set[int] = set()
-    for inner, streams in batches.items():
-        res = nvcomp.decode([v for _, _, v, _ in streams], _GPU_INNER[inner], [n for *_, n in streams],
-                            device_index)
-        for k, (s, piece, _, _) in enumerate(streams):
-            if res.out[k] is None:
-                if piece not in failed:
-                    failed.add(piece)
-                    _to_host(result, piece, f"a blosc {inner} stream: {res.why.get(k, 'not decoded')}")
-            else:
-                sources[s] = res.out[k]
-    blocks = [blk for blk in blocks if blk.piece not in failed]
-    kept = sorted({blk.piece for blk in blocks})
+    held: list[Any] = []  # nvCOMP's outputs, alive until the unshuffle launch is queued
+    for c, inner in enumerate(inners, 1):
+        failed |= _inflate(pieces, np.flatnonzero((code == c) & ~raw), (of, offsets, csizes, neblock), inner,
+                           device_index, pointers, result, held)
+    kept = sorted(set(plans) - set(bad) - failed)
     if not kept:
         return
     _, outs = filters.carve([plans[i].nbytes for i in kept])
-    dest = dict(zip(kept, outs))
-    assemble([(dest[b.piece].data.ptr + b.dest_offset, b.bsize, plans[b.piece].typesize, plans[b.piece].mode,
-               b.first, b.bsize // b.streams) for b in blocks], sources)
-    for i in kept:
-        result.out[i] = dest[i]
+    for i, out in zip(kept, outs):
+        result.out[i] = out
+    rows = unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)})
+    _unshuffle.unshuffle_blocks(rows, pointers)
 
 
-def _walk(pieces: Sequence[Any], plans: dict[int, Header], blocks: list[_Block]
+def unshuffle_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int, int]) -> np.ndarray:
+    """``_unshuffle``'s table for the blocks (``block_table(plans)``) of the pieces in ``dest``
+    (piece -> output address, never 0): each block to its place, unshuffled by its piece's mode."""
+    piece, index, bsize, streams, first = blocks.T
+    n = max([*dest, int(piece.max(initial=0))]) + 1
+    out = by_piece(n, dest)
+    typesize, mode, blocksize = (by_piece(n, {i: getattr(plans[i], a) for i in dest})
+                                 for a in ("typesize", "mode", "blocksize"))
+    rows = np.flatnonzero(out[piece])
+    p = piece[rows]
+    table = np.empty((len(rows), 6), np.int64)
+    table[:, 0] = out[p] + index[rows] * blocksize[p]
+    table[:, 1], table[:, 2], table[:, 3], table[:, 4] = bsize[rows], typesize[p], mode[p], first[rows]
+    table[:, 5] = bsize[rows] // streams[rows]
+    return table
+
+
+def by_piece(n: int, values: dict[int, int]) -> np.ndarray:
+    """``values`` as an int64 array of ``n`` indexed by piece (0 where a piece has none)."""
+    out = np.zeros(n, np.int64)
+    for i, v in values.items():
+        out[i] = v
+    return out
+
+
+def _inflate(pieces: Sequence[Any], sel: np.ndarray, streams: tuple[np.ndarray, ...], inner: str, device_index: int,
+             pointers: np.ndarray, result: Any, held: list) -> set[int]:
+    """Streams ``sel`` (all of inner codec ``inner``) through nvCOMP in one call: their decoded
+    addresses into ``pointers``, nvCOMP's result kept in ``held``. Returns the pieces with a
+    stream that did not decode (each handed to the host once, saying why)."""
+    from gpulazy.codecs import nvcomp
+
+    if not len(sel):
+        return set()
+    of, offsets, csizes, neblock = (a[sel] for a in streams)
+    views = [pieces[i][o:o + c] for i, o, c in zip(of.tolist(), offsets.tolist(), csizes.tolist())]
+    res = nvcomp.decode(views, _GPU_INNER[inner], neblock.tolist(), device_index)
+    held.append(res)
+    failed: set[int] = set()
+    for k, out in enumerate(res.out):
+        if out is not None:
+            pointers[sel[k]] = out.data.ptr
+        elif int(of[k]) not in failed:
+            failed.add(int(of[k]))
+            _to_host(result, int(of[k]), f"a blosc {inner} stream: {res.why.get(k, 'not decoded')}")
+    return failed
+
+
+def block_table(plans: dict[int, Header]) -> np.ndarray:
+    """One int64 row per block of every planned piece: (piece, block index, bytes, streams, first
+    stream's slot), streams numbered across the batch. Every block but a piece's last has block
+    0's bytes and streams (``Header.block``)."""
+    parts = [np.empty((0, 4), np.int64)]
+    for i, h in plans.items():
+        t = np.empty((h.nblocks, 4), np.int64)
+        t[:, 0], t[:, 1] = i, np.arange(h.nblocks)
+        t[:, 2:] = h.block(0)
+        t[-1, 2:] = h.block(h.nblocks - 1)
+        parts.append(t)
+    t = np.concatenate(parts)
+    return np.column_stack([t, np.cumsum(t[:, 3]) - t[:, 3]]).astype(np.int64)
+
+
+def _walk(pieces: Sequence[Any], plans: dict[int, Header], blocks: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every stream's offset and size and every block's ok flag: one kernel launch, one copy down."""
+    """Every stream's offset and size and every block's ok flag (``blocks``: ``block_table(plans)``):
+    one kernel launch, one copy down for the batch."""
     import cupy
 
     from gpulazy.codecs import filters
 
     n = len(blocks)
-    nstreams = blocks[-1].first + blocks[-1].streams
-    table = np.array([[pieces[b.piece].data.ptr, plans[b.piece].cbytes, b.index,
-                       plans[b.piece].nblocks, b.streams, b.first] for b in blocks], dtype=np.int64)
-    dev = cupy.asarray(table)
+    piece, index, _, streams, first = blocks.T
+    nstreams = int(streams.sum())
+    ptr = by_piece(len(pieces), {i: pieces[i].data.ptr for i in plans})
+    cbytes = by_piece(len(pieces), {i: h.cbytes for i, h in plans.items()})
+    nblocks = by_piece(len(pieces), {i: h.nblocks for i, h in plans.items()})
+    table = np.column_stack([ptr[piece], cbytes[piece], index, nblocks[piece], streams, first]).astype(np.int64)
     found = cupy.zeros(2 * nstreams + n, dtype=np.int64)  # offsets, sizes, ok
     k = filters.kernel("blosc_walk", _WALK)
-    k((-(-n // 64),), (64,), (dev, found, np.int64(nstreams), np.int64(n)))
+    k((-(-n // 64),), (64,), (cupy.asarray(table), found, np.int64(nstreams), np.int64(n)))
     host = found.get()
     return host[:nstreams], host[nstreams:2 * nstreams], host[2 * nstreams:]
-
-
-def assemble(rows: Sequence[tuple[int, int, int, int, int, int]], sources: dict[int, Any]) -> None:
-    """Blocks gathered from their decoded streams, unshuffled, written where they belong: one launch.
-
-    A row: (destination address, block bytes, type size, mode (0 copy, 1 byte unshuffle,
-    2 bit unshuffle), first stream's slot, bytes per stream); ``sources[slot]`` is that
-    stream's bytes on the device (decoded, or stored raw). HDF5 bitshuffle uses it too.
-    """
-    import cupy
-
-    from gpulazy.codecs import filters
-
-    if not rows:
-        return
-    nstreams = max(sources) + 1
-    ptrs = np.zeros(nstreams, dtype=np.uint64)
-    for s, v in sources.items():
-        ptrs[s] = v.data.ptr
-    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
-    longest = int(table[:, 1].max())
-    k = filters.kernel("blosc_assemble", _ASSEMBLE)
-    grid = (max(1, min(256, -(-longest // 2048))), min(len(rows), 65535))
-    k(grid, (256,), (cupy.asarray(ptrs), cupy.asarray(table), np.int64(len(rows))))
 
 
 def row_kernel(name: str, width: int, total: str, body: str, helpers: str = "") -> str:
@@ -433,42 +456,3 @@ __device__ long long gl_rd32(const unsigned char* s) {
                        | ((unsigned int)s[3] << 24));
 }
 """)
-
-# Blocks along y (grid-stride), bytes along x. Byte q of a block's decoded streams lies in
-# stream first + q / neblock at q % neblock; output byte k takes the byte (or bits) the
-# unshuffle of ``unshuffle_block`` names. ``row``: dest, bsize, typesize, mode, first, neblock.
-_ASSEMBLE = r"""
-__device__ __forceinline__ unsigned char gl_at(const unsigned long long* src, long long first, long long neblock,
-                                               long long q) {
-    long long s = q / neblock;
-    return ((const unsigned char*)src[first + s])[q - s * neblock];
-}
-extern "C" __global__ void gl_blosc_assemble(const unsigned long long* src, const long long* rows, long long nblk) {
-    for (long long blk = blockIdx.y; blk < nblk; blk += gridDim.y) {
-        const long long* row = rows + 6 * blk;
-        unsigned char* d = (unsigned char*)row[0];
-        long long bsize = row[1], ts = row[2], mode = row[3], first = row[4], neblock = row[5];
-        long long count = bsize / ts, body = count * ts;
-        int bits = (mode == 2 && count % 8 == 0);
-        for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < bsize;
-             k += (long long)gridDim.x * blockDim.x) {
-            unsigned char v;
-            if (k >= body || mode == 0 || (mode == 2 && !bits)) {
-                v = gl_at(src, first, neblock, k);
-            } else {
-                long long i = k / ts, j = k - i * ts;
-                if (mode == 1) {
-                    v = gl_at(src, first, neblock, j * count + i);
-                } else {
-                    v = 0;
-                    for (int b = 0; b < 8; ++b) {
-                        long long bit = (j * 8 + b) * count + i;
-                        v |= (unsigned char)(((gl_at(src, first, neblock, bit >> 3) >> (bit & 7)) & 1) << b);
-                    }
-                }
-            }
-            d[k] = v;
-        }
-    }
-}
-"""

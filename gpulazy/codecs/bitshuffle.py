@@ -223,16 +223,12 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     for i in bad:
         _to_host(result, i, "bitshuffle block sizes do not fit the piece (truncated or corrupt)")
     sel = np.flatnonzero(by_piece(len(pieces), dict.fromkeys(bad, 1))[piece] == 0)
-    views = [pieces[i][o:o + c] for i, o, c in zip(piece[sel].tolist(), offsets[sel].tolist(), csizes[sel].tolist())]
-    res = nvcomp.decode(views, Codec("lz4_raw"), nbytes[sel].tolist(), device_index) if views \
-        else nvcomp.Decoded([])
+    starts = np.array([p.data.ptr for p in pieces], dtype=np.uint64)
+    decoded, at, good = nvcomp.decode_table(starts[piece[sel]] + offsets[sel].astype(np.uint64), csizes[sel],
+                                            nbytes[sel], Codec("lz4_raw"), device_index)
     pointers = np.zeros(len(blocks), np.uint64)  # slot k: block k's decoded (still shuffled) bytes
-    failed: set[int] = set()
-    for k, out in zip(sel.tolist(), res.out):
-        if out is None:
-            failed.add(int(piece[k]))
-        else:
-            pointers[k] = out.data.ptr
+    pointers[sel[good]] = np.uint64(decoded.data.ptr) + at[good].astype(np.uint64)
+    failed = {int(i) for i in np.unique(piece[sel[~good]])}
     for i in sorted(failed):
         _to_host(result, i, "a bitshuffle LZ4 block did not decode on the GPU")
     kept = [i for i in plans if i not in failed and i not in bad]

@@ -370,6 +370,16 @@ def _inflate(pieces: Sequence[Any], sel: np.ndarray, streams: tuple[np.ndarray, 
     if not len(sel):
         return set()
     of, offsets, csizes, neblock = (a[sel] for a in streams)
+    if _GPU_INNER[inner].id == "lz4_raw":  # bare LZ4 blocks: one table, no Python per stream
+        starts = np.array([p.data.ptr for p in pieces], dtype=np.uint64)
+        decoded, at, good = nvcomp.decode_table(starts[of] + offsets.astype(np.uint64), csizes, neblock,
+                                                _GPU_INNER[inner], device_index)
+        held.append(decoded)
+        pointers[sel[good]] = np.uint64(decoded.data.ptr) + at[good].astype(np.uint64)
+        bad = {int(i) for i in np.unique(of[~good])}
+        for i in sorted(bad):
+            _to_host(result, i, f"a blosc {inner} stream did not decode on the GPU")
+        return bad
     views = [pieces[i][o:o + c] for i, o, c in zip(of.tolist(), offsets.tolist(), csizes.tolist())]
     res = nvcomp.decode(views, _GPU_INNER[inner], neblock.tolist(), device_index)
     held.append(res)

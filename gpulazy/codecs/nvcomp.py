@@ -350,31 +350,99 @@ def _walk(framing: str, pieces: Sequence[Any], spans: list, heads: list[bytes], 
     (less its checksum), an LZ4 block's sequences must end there having produced the
     expected size. Pieces that do not go to the host, which names the file.
     """
-    import cupy
-
-    from gpulazy.codecs import filters
-
-    name, source, why = _WALKS[framing]
+    why = _WALKS[framing][2]
     if framing == "zstd":
         layout = [zstd_header(heads[i]) for i, _, _ in spans]  # (first block, checksum bytes)
     else:
         layout = [(a, int(sizes[i])) for i, a, _ in spans]  # (first sequence, decoded size)
     src = [pieces[i] for i, _, _ in spans]
-    k = filters.kernel(name, source)
-    n = len(src)
-    lengths = cupy.asarray(np.array([int(p.size) for p in src], dtype=np.int64))
-    starts = cupy.asarray(np.array([a for a, _ in layout], dtype=np.int64))
-    limits = cupy.asarray(np.array([t for _, t in layout], dtype=np.int64))
-    ok = cupy.zeros(n, dtype=np.int32)
-    k((-(-n // 64),), (64,), (filters.pointer_table(src), lengths, starts, limits, ok, np.int64(n)))
+    ok = walk_ends(framing, np.array([p.data.ptr for p in src], dtype=np.uint64),
+                   np.array([int(p.size) for p in src], dtype=np.int64),
+                   np.array([a for a, _ in layout], dtype=np.int64), np.array([t for _, t in layout], dtype=np.int64))
     keep = []
-    for (i, a, b), good in zip(spans, ok.get()):
+    for (i, a, b), good in zip(spans, ok):
         if good:
             keep.append((i, a, b))
         else:
             result.host.append(i)
             result.why[i] = why
     return keep
+
+
+def walk_ends(framing: str, addresses: np.ndarray, lengths: np.ndarray, starts: np.ndarray, limits: np.ndarray
+              ) -> np.ndarray:
+    """Whether each stream at device ``addresses`` (``lengths`` bytes) provably ends at its end:
+    one GPU thread per stream walks it from ``starts`` (``limits``: what the end must match; see
+    ``_walk``). One launch, one copy back."""
+    import cupy
+
+    from gpulazy.codecs import filters
+
+    name, source, _ = _WALKS[framing]
+    n = len(addresses)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    ok = cupy.zeros(n, dtype=np.int32)
+    filters.kernel(name, source)((-(-n // 64),), (64,), (
+        cupy.asarray(addresses.astype(np.uint64)), cupy.asarray(lengths.astype(np.int64)),
+        cupy.asarray(starts.astype(np.int64)), cupy.asarray(limits.astype(np.int64)), ok, np.int64(n)))
+    return ok.get().astype(bool)
+
+
+def decode_table(addresses: np.ndarray, csizes: np.ndarray, dsizes: np.ndarray, codec: Codec,
+                 device_index: int = 0) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Bare streams (``lz4_raw``: blosc's and HDF5 bitshuffle's LZ4 blocks) at device ``addresses``,
+    each ``csizes`` bytes decoding to ``dsizes``, in one nvCOMP call with no Python per stream.
+
+    Returns ``(buffer, offsets, ok)``: stream ``k`` decoded at ``buffer[offsets[k]:][:dsizes[k]]``
+    where ``ok[k]``; a stream that does not walk to its end, or decodes to another size, is not ok
+    (the caller sends its piece to the host). ``decode`` takes a CuPy array per piece, which cost
+    ~20 µs of Python each: 0.5 million 8 KiB blocks of a 4 GiB HDF5 bitshuffle file took seconds.
+    nvCOMP carves the batch out of one span of device memory (``as_arrays(buffer, offsets,
+    sizes)``) that covers every stream; it reads only the streams' own bytes.
+    """
+    import cupy
+    from nvidia import nvcomp
+
+    algorithm, framing = ALGORITHMS[codec.id]
+    if framing not in _HEADLESS:
+        raise ValueError(f"decode_table takes bare streams, not {codec.id}")
+    addresses = np.asarray(addresses, dtype=np.uint64)
+    csizes, dsizes = np.asarray(csizes, dtype=np.int64), np.asarray(dsizes, dtype=np.int64)
+    ok = (dsizes > 0) & (csizes > 0)
+    if framing in _WALKS and ok.any():
+        sel = np.flatnonzero(ok)
+        ok[sel] = walk_ends(framing, addresses[sel], csizes[sel], np.zeros(len(sel), np.int64), dsizes[sel])
+    offsets = np.zeros(len(addresses), dtype=np.int64)
+    if not ok.any():
+        return cupy.empty(1, dtype=np.uint8), offsets, ok
+    codec_obj = _codec(algorithm, device_index)
+    align = max(1, int(codec_obj.get_required_decompression_alignment()))
+    sel = np.flatnonzero(ok)
+    ok[sel[addresses[sel] % np.uint64(align) != 0]] = False  # nvCOMP would refuse them: the host decodes
+    sel = np.flatnonzero(ok)
+    if not len(sel):
+        return cupy.empty(1, dtype=np.uint8), offsets, ok
+    padded = -(-dsizes[sel] // _OUT_ALIGN) * _OUT_ALIGN
+    offsets[sel] = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    out = cupy.empty(int(padded.sum()), dtype=np.uint8)
+    base = int(addresses[sel].min())
+    span = int((addresses[sel] + csizes[sel].astype(np.uint64)).max()) - base
+    mem = cupy.cuda.UnownedMemory(base, span, owner=None)
+    src = cupy.ndarray((span,), dtype=np.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    stream = cupy.cuda.get_current_stream()
+    try:
+        batch = nvcomp.as_arrays(src, (addresses[sel] - np.uint64(base)).astype(np.int64).tolist(),
+                                 csizes[sel].tolist(), stream.ptr)
+        dst = nvcomp.as_arrays(out, offsets[sel].tolist(), dsizes[sel].tolist(), stream.ptr)
+        res = codec_obj.decode(batch, out=dst)
+        stream.synchronize()  # through CuPy: the GIL is let go meanwhile
+        got = np.asarray(res.buffer_sizes, dtype=np.int64)
+    except Exception:  # the batch refused (a stream too big, corrupt data): every piece to the host
+        ok[sel] = False
+        return out, offsets, ok
+    ok[sel] = got == dsizes[sel]
+    return out, offsets, ok
 
 
 _ZSTD_MAX_BLOCK = 128 * 1024

@@ -158,6 +158,21 @@ def test_host_share_refuses_a_piece_of_another_size():
         job.check()
 
 
+@pytest.mark.parametrize("sizes, limit, want", [
+    ([10, 10, 10, 10], 20, [(0, 2), (2, 4)]),
+    ([10, 10, 10], 25, [(0, 2), (2, 3)]),
+    ([50, 10, 60, 5], 20, [(0, 1), (1, 2), (2, 3), (3, 4)]),  # a piece bigger than a round goes alone
+    ([0, 0, 7], 5, [(0, 2), (2, 3)]),
+    ([3], 1, [(0, 1)]),
+    ([], 10, []),
+])
+def test_rounds_are_consecutive_and_bounded(sizes, limit, want):
+    got = _beside.rounds(sizes, limit)
+    assert got == want
+    for a, b in got:  # over the limit only where a single piece is
+        assert sum(sizes[a:b]) <= limit or b - a == 1
+
+
 def test_pinned_blocks_come_in_few_sizes():
     # CuPy's pinned pool reuses a block only for a request of its exact size.
     assert _beside.size_class(1) == 1 << 20 and _beside.size_class(1 << 20) == 1 << 20
@@ -208,6 +223,36 @@ def test_gpu_batch_decodes_like_zlib_every_way(way):
     if way == "host":
         assert counts["transfers"] == 2 and counts["copied_up"] == sum(map(len, raws))
         assert _split.RECORD.rates(dev.name).host_per_core != _split.Rates().host_per_core  # measured
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("way", ["host", "alternate"])
+def test_gpu_host_share_in_many_rounds_decodes_like_zlib(way, monkeypatch):
+    # Rounds of at most 300 kB: several pinned rounds take turns, copies overlapping decoding.
+    monkeypatch.setattr(_split, "ROUND", 300_000)
+    sizes = np.random.default_rng(1).integers(0, 250_000, 41)
+    raws = [payload(int(n), k) for k, n in enumerate(sizes)]
+    _, pieces = device_pieces([gzip.compress(r, 1, mtime=0) for r in raws])
+    dev = get_device("cuda:0")
+    _split.RECORD.reset()
+    with _split.force(way):
+        out = decode_pieces(pieces, (GZIP,), [len(r) for r in raws], dev)
+    assert [k for k, (o, r) in enumerate(zip(out, raws)) if o.get().tobytes() != r] == []
+    on_host = [len(r) for r in (raws if way == "host" else raws[0::2])]
+    counts = _split.RECORD.snapshot()[dev.name]["counts"]
+    assert counts["transfers"] == 2 * len(_beside.rounds(on_host, 300_000)) > 4
+
+
+@pytest.mark.gpu
+def test_gpu_corrupt_piece_in_a_later_round_is_named(monkeypatch):
+    monkeypatch.setattr(_split, "ROUND", 200_000)
+    raws = [payload(90_000, k) for k in range(30)]
+    blobs = [zlib.compress(r, 1) for r in raws]
+    blobs[25] = blobs[25][:40] + bytes(30) + blobs[25][70:]
+    _, pieces = device_pieces(blobs)
+    where = [ByteRange("/tiles/t.tif", 512 * k, len(b)) for k, b in enumerate(blobs)]
+    with _split.force("host"), pytest.raises(ChunkDecodeError, match=r"'/tiles/t\.tif' at offset 12800 "):
+        decode_pieces(pieces, (ZLIB,), [len(r) for r in raws], get_device("cuda:0"), where=where)
 
 
 @pytest.mark.gpu

@@ -36,9 +36,12 @@ import numpy as np
 
 from gpulazy.spec import Codec
 
-__all__ = ["DEFLATE_IDS", "RECORD", "RateRecord", "Rates", "applies", "force", "gpu_seconds", "gpu_share",
+__all__ = ["DEFLATE_IDS", "RECORD", "ROUND", "RateRecord", "Rates", "applies", "force", "gpu_seconds", "gpu_share",
            "host_seconds", "makespan", "overlap", "per_stream", "plan"]
 
+#: Decoded bytes per round of a host share (``_beside.HostShare``): each round is copied down and
+#: up while the next decodes, so only the first copy down and the last copy up are not hidden.
+ROUND = 64 << 20
 #: The Deflate family: zlib and gzip framings (numcodecs, HDF5's gzip filter) and TIFF's deflate.
 DEFLATE_IDS = frozenset({"zlib", "gzip", "imagecodecs_zlib", "imagecodecs_deflate"})
 
@@ -52,21 +55,23 @@ def applies(c: Codec) -> bool:
 class Rates:
     """What ``plan`` assumes; every rate in bytes of decoded output per second.
 
-    The priors: ``host_per_core`` libdeflate on one core of the 16-core H100 host (issue 21);
+    The priors: ``host_per_core`` libdeflate on one core of the 16-core H100 host (issue 21;
+    0.31 on this project's 2-core CI machine, ``bench_codecs.py --host-deflate``);
     ``gpu_per_stream`` nvCOMP Deflate on an H100, 1.6 GB/s over 256 streams of 2 MiB
-    (``bench_codecs.py --chunks 256``); ``gpu_streams`` a guess from above at how many streams
-    nvCOMP runs at once (guessing too many only makes nvCOMP look slower per stream, so its
-    measured rate pulls the split back to the host); ``gpu_call`` what one nvCOMP call costs
+    (``bench_codecs.py --chunks 256``); ``gpu_streams`` how many streams nvCOMP runs at once before
+    its rate stops growing: 256, the most that measurement saw (if it runs more, the rate per
+    stream measured at the batch's own count of pieces is higher, and the split follows; a
+    guess too high would cost the first batches nvCOMP's slowness instead); ``gpu_call`` what one nvCOMP call costs
     besides decoding (framing checks, the copy of headers, the size read-back); ``link`` the
     host share's copies down and up through pinned memory (54.9 GB/s host to device on that
-    host, ``DESIGN.md``); ``overlap`` 1 when the host's
-    threads decode while the calling thread waits in nvCOMP, 0 when they stall (the two
-    sides then take the sum of their times, not the larger).
+    host, ``DESIGN.md``), all but one round's each way hidden behind decoding (``ROUND``);
+    ``overlap`` 1 when the host's threads decode while the calling thread waits in nvCOMP, 0
+    when they stall (the two sides then take the sum of their times, not the larger).
     """
 
     host_per_core: float = 0.45e9
     gpu_per_stream: float = 1.6e9 / 256
-    gpu_streams: int = 2048
+    gpu_streams: int = 256
     gpu_call: float = 2e-3
     link: float = 50e9
     overlap: float = 1.0
@@ -97,9 +102,13 @@ def makespan(host: float, gpu: float, overlap: float) -> float:
 
 
 def _host_time(total: Any, largest: Any, stored: Any, cores: int, rates: Rates) -> np.ndarray:
-    # All cores share the bytes, but no piece is split: the largest one is a floor.
+    # All cores share the bytes, but no piece is split: the largest one is a floor. The
+    # copies of one round overlap the decoding of the next: the first copy down and the
+    # last up show (a round is at least a piece), the rest only where they outlast decoding.
     decode = np.maximum(total / (max(1, cores) * rates.host_per_core), largest / rates.host_per_core)
-    return np.where(total > 0, decode + (total + stored) / rates.link, 0.0)
+    copies = (total + stored) / rates.link
+    ends = 2 * np.minimum(total, np.maximum(ROUND, largest)) / rates.link
+    return np.where(total > 0, np.maximum(decode, copies) + ends, 0.0)
 
 
 def _gpu_time(total: Any, largest: Any, rates: Rates) -> np.ndarray:

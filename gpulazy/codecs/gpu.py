@@ -131,8 +131,8 @@ def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] |
              ) -> list[Any]:
     """Step (or pipeline) ``c`` on the host: one copy down, decode on a thread pool, one copy up.
 
-    With the decoded sizes known, through pinned buffers, each piece decoded into its slot of
-    one buffer that goes up in one copy (``_beside.HostShare``).
+    With the decoded sizes known, in rounds through pinned buffers, each piece decoded into its
+    slot of a buffer that goes up in one copy per round (``_beside.HostShare``).
     """
     from gpulazy.codecs._run import _host_one, host_map
 
@@ -141,7 +141,7 @@ def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] |
     if sizes is not None:
         from gpulazy.codecs._beside import HostShare
 
-        return HostShare(pieces, c if isinstance(c, tuple) else (c,), sizes, where).result()
+        return HostShare(pieces, c if isinstance(c, tuple) else (c,), sizes, where).run()
     down = _download(pieces)
     sz = sizes if sizes is not None else [None] * len(pieces)
     jobs = [(p, n, w) for p, n, w in zip(down, sz, where)]

@@ -42,7 +42,7 @@ from gpulazy.codecs._run import _host_one, _record, cores, host_pool, size_error
 from gpulazy.device import Device
 from gpulazy.spec import ByteRange, Codec
 
-__all__ = ["HostDecode", "HostShare", "beside_host", "rounds", "size_class"]
+__all__ = ["CupySide", "HostDecode", "HostShare", "beside_host", "rounds", "size_class"]
 
 
 def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any],
@@ -151,23 +151,19 @@ class HostShare:
     """
 
     def __init__(self, pieces: Sequence[Any], steps: tuple[Codec, ...], sizes: Sequence[int],
-                 where: Sequence[ByteRange | None]):
-        from gpulazy.codecs import filters
-
+                 where: Sequence[ByteRange | None], side: Any = None):
+        self.side = side if side is not None else CupySide()
         self.pieces, self.steps, self.where = list(pieces), steps, list(where)
         self.sizes = [int(n) for n in sizes]
-        self.device_buf, self.views = filters.carve(self.sizes)
-        self.starts = [int(v.data.ptr - self.device_buf.data.ptr) for v in self.views]
+        self.device_buf, self.views, self.starts = self.side.carve(self.sizes)
         self.rounds = rounds(self.sizes, _split.ROUND)
         self.busy = 0.0  # seconds the threads spent decoding, summed
 
     def run(self) -> list[Any]:
         """Decode every round; a device view per piece. The copies run on the current stream
         (of the current device); every thread of the batch is done before an error is raised."""
-        import cupy
-
-        stream = cupy.cuda.get_current_stream()
-        ring: list[tuple[np.ndarray, np.ndarray]] = [self._buffers(k) for k in range(min(2, len(self.rounds)))]
+        stream = self.side.stream()
+        ring = [self._buffers(k) for k in range(min(2, len(self.rounds)))]
         started: list[_Round] = []
         try:
             for k, span in enumerate(self.rounds):
@@ -186,7 +182,7 @@ class HostShare:
         mine = self.rounds[parity::2]
         down = max(sum(int(p.size) for p in self.pieces[a:b]) for a, b in mine)
         up = max(self._span(a, b)[1] for a, b in mine)
-        return _pinned(down), _pinned(up)
+        return self.side.pinned(down), self.side.pinned(up)
 
     def _span(self, a: int, b: int) -> tuple[int, int]:
         """Where pieces ``a:b`` sit in the device buffer: (offset, bytes), padding included."""
@@ -195,7 +191,7 @@ class HostShare:
     def _start(self, span: tuple[int, int], buffers: tuple[np.ndarray, np.ndarray], stream: Any) -> _Round:
         a, b = span
         down, up = buffers
-        pieces = _download(self.pieces[a:b], down, stream)
+        pieces = self.side.download(self.pieces[a:b], down, stream)
         at = self.starts[a]
         decode = HostDecode(pieces, self.steps, self.sizes[a:b], self.where[a:b], up,
                             [s - at for s in self.starts[a:b]])
@@ -205,9 +201,46 @@ class HostShare:
         r.decode.check()  # the first failing piece's error, naming its file
         self.busy += r.decode.busy_seconds()
         at, n = self._span(r.a, r.b)
-        if n:
-            self.device_buf[at:at + n].set(r.up[:n], stream=stream)
-            stream.synchronize()  # before the next round but one writes into these pinned bytes
+        if n:  # done before the next round but one writes into these pinned bytes
+            self.side.upload(self.device_buf[at:at + n], r.up[:n], stream)
+
+
+class CupySide:
+    """Where a host share's pieces live and its decoded bytes go: CuPy device memory, through
+    pinned host buffers, copies on the current stream. (The tests run ``HostShare`` on a
+    NumPy side of the same shape.)"""
+
+    def carve(self, sizes: list[int]) -> tuple[Any, list[Any], list[int]]:
+        """One device buffer, a view per piece (``filters.carve``: 256-byte aligned), their offsets."""
+        from gpulazy.codecs import filters
+
+        buf, views = filters.carve(sizes)
+        return buf, views, [int(v.data.ptr - buf.data.ptr) for v in views]
+
+    def stream(self) -> Any:
+        import cupy
+
+        return cupy.cuda.get_current_stream()
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        return _pinned(nbytes)
+
+    def download(self, pieces: Sequence[Any], into: np.ndarray, stream: Any) -> list[np.ndarray]:
+        """The pieces' bytes in ``into`` (host): gathered on the device, one transfer."""
+        import cupy
+
+        lengths = [int(p.size) for p in pieces]
+        total = sum(lengths)
+        if total:
+            flat = cupy.concatenate([p.reshape(-1).view(np.uint8) for p in pieces])
+            flat.get(stream=stream, out=into[:total])  # blocking: the bytes are there on return
+        cuts = np.cumsum([0, *lengths])
+        return [into[a:b] for a, b in itertools.pairwise(cuts)]
+
+    def upload(self, dst: Any, src: np.ndarray, stream: Any) -> None:
+        """``src`` into ``dst`` (device), in one transfer, over when this returns."""
+        dst.set(src, stream=stream)
+        stream.synchronize()
 
 
 @dataclass
@@ -269,19 +302,6 @@ def _decode_into(piece: np.ndarray, steps: tuple[Codec, ...], want: int, where: 
         raise size_error(where, steps, want, int(arr.size), f"it decoded to {int(arr.size)} bytes")
     np.copyto(slot, arr.reshape(-1).view(np.uint8))
     return started, time.perf_counter()
-
-
-def _download(pieces: Sequence[Any], into: np.ndarray, stream: Any) -> list[np.ndarray]:
-    """The pieces' bytes in ``into`` (host): gathered on the device, one transfer."""
-    import cupy
-
-    lengths = [int(p.size) for p in pieces]
-    total = sum(lengths)
-    if total:
-        flat = cupy.concatenate([p.reshape(-1).view(np.uint8) for p in pieces])
-        flat.get(stream=stream, out=into[:total])
-    cuts = np.cumsum([0, *lengths])
-    return [into[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def _pinned(nbytes: int) -> np.ndarray:

@@ -155,7 +155,8 @@ class HostShare:
         self.side = side if side is not None else CupySide()
         self.pieces, self.steps, self.where = list(pieces), steps, list(where)
         self.sizes = [int(n) for n in sizes]
-        self.device_buf, self.views, self.starts = self.side.carve(self.sizes)
+        carved: tuple[Any, list[Any], list[int]] = self.side.carve(self.sizes)
+        self.device_buf, self.views, self.starts = carved
         self.rounds = rounds(self.sizes, _split.ROUND)
         self.busy = 0.0  # seconds the threads spent decoding, summed
 

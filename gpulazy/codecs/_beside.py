@@ -52,6 +52,8 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
     thread of its own (``_run_on``)."""
     import cupy
 
+    if not pieces:
+        return []
     stored = [int(p.size) for p in pieces]
     gpu = _split.gpu_share(sizes, stored, cores(), device.name)
     picked = set(gpu)

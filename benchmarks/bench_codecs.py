@@ -16,6 +16,12 @@ decoding all of them
   checks, the size checks and the output layout);
 - with numcodecs on the host, on one thread and on a pool of ``os.cpu_count()`` threads.
 
+For zlib-1 (Deflate), the row also times, in the same run, gpulazy's three ways on cuda:0:
+the host's cores alone (libdeflate, the pieces copied down and up), nvCOMP alone, and the
+split between them that ``gpulazy.codecs._split`` plans from the rates the first two
+measured (what a GPU read does by default), with nvCOMP alone on 16, 64 and 256 pieces
+(how its rate grows with the number of streams, the split's model).
+
 Prints GB/s of decoded output (best of ``--repeat``), the ratios and each codec's
 compression ratio. ``--probe`` prints instead what nvCOMP reports for a corrupt or
 truncated piece and for an over- or undersized output (the facts ``gpulazy.codecs.nvcomp``
@@ -152,7 +158,7 @@ def run(n: int, repeat: int, only: list[str] | None = None) -> dict:
     import cupy
 
     import gpulazy
-    from gpulazy.codecs import decode_pieces, nvcomp
+    from gpulazy.codecs import _split, decode_pieces, nvcomp
 
     dev = gpulazy.get_device("cuda:0")
     t0 = time.perf_counter()
@@ -182,6 +188,7 @@ def run(n: int, repeat: int, only: list[str] | None = None) -> dict:
             gpulazy.stats().reset()
             gpu_s = best(lambda: decode_pieces(pieces, codec, [nbytes] * n, dev), repeat, sync)
             places = {k: sorted(v) for k, v in gpulazy.stats().snapshot()["decode_by_codec"].items()}
+            deflate = split_ways(pieces, codec, nbytes, dev, repeat, sync) if _split.applies(codec[0]) else {}
             direct_s = None
             if len(codec) == 1 and codec[0].id in nvcomp.ALGORITHMS:  # nvCOMP reads no blosc framing
                 direct = nvcomp_direct(pieces, codec, nbytes)
@@ -196,12 +203,52 @@ def run(n: int, repeat: int, only: list[str] | None = None) -> dict:
                    "nvcomp_direct_gbps": total / direct_s / 1e9 if direct_s else None,
                    "host_1thread_gbps": total / one_s / 1e9, f"host_{threads}threads_gbps": total / pool_s / 1e9,
                    "x_vs_host_1thread": one_s / gpu_s, "x_vs_host_pool": pool_s / gpu_s, "steps_ran_on": places,
-                   "nvcomp_caller_outputs_refused": dict(nvcomp._NO_CALLER_OUTPUT)}
+                   "nvcomp_caller_outputs_refused": dict(nvcomp._NO_CALLER_OUTPUT), **deflate}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del buf, pieces
             cupy.get_default_memory_pool().free_all_blocks()
     return {"device": dev.name, "gpu": _gpu_name(), "threads": threads, "rows": rows}
+
+
+def split_ways(pieces, codec, nbytes: int, dev, repeat: int, sync) -> dict:
+    """A Deflate batch through ``decode_pieces`` on the host's cores alone, nvCOMP alone and split.
+
+    Host and nvCOMP alone first: their batches are what ``_split.RECORD`` learns the rates
+    from, so the split (last) runs on this machine's figures, as a read's would after a few
+    batches. Each way's bytes are checked against the first way's.
+    """
+    from gpulazy.codecs import _split, decode_pieces
+
+    n, total = len(pieces), nbytes * len(pieces)
+    want = [nbytes] * n
+    _split.RECORD.reset()
+    seconds, first = {}, None
+    for way in ("host", "gpu", "auto"):
+        with _split.force(way):
+            out = decode_pieces(pieces, codec, want, dev)  # warm-up: pinned blocks, nvCOMP scratch
+            got = [out[i].get().tobytes() for i in (0, n // 2, n - 1)]
+            first = first or got
+            assert got == first, f"{codec[0].id}: the {way} way decoded other bytes"
+            del out
+            seconds[way] = best(lambda: decode_pieces(pieces, codec, want, dev), repeat, sync)
+    snap = _split.RECORD.snapshot().get(dev.name, {})
+    streams = {}
+    for k in (16, 64, 256):
+        if k <= n:
+            with _split.force("gpu"):
+                t = best(lambda: decode_pieces(pieces[:k], codec, want[:k], dev), repeat, sync)
+            streams[str(k)] = k * nbytes / t / 1e9
+    plan = _split.plan(want, [int(p.size) for p in pieces], _cores(), _split.RECORD.rates(dev.name))
+    return {"host_only_gbps": total / seconds["host"] / 1e9, "nvcomp_only_gbps": total / seconds["gpu"] / 1e9,
+            "split_gbps": total / seconds["auto"] / 1e9, "split_gpu_pieces": len(plan), "split_pieces": n,
+            "split_rates": snap.get("rates"), "split_counts": snap.get("counts"), "nvcomp_only_by_streams": streams}
+
+
+def _cores() -> int:
+    from gpulazy.codecs._run import cores
+
+    return cores()
 
 
 def _gpu_name() -> str:
@@ -221,6 +268,17 @@ def table(doc: dict) -> str:
         lines.append(f"{r['codec']:<16}{r['compression_ratio']:>7.2f}{r['gpulazy_gpu_gbps']:>13.1f}{direct:>15}"
                      f"{r['host_1thread_gbps']:>12.2f}{r[f'host_{t}threads_gbps']:>13.2f}"
                      f"{r['x_vs_host_1thread']:>9.0f}{r['x_vs_host_pool']:>8.1f}")
+    for r in doc["rows"]:
+        if "split_gbps" in r:
+            streams = ", ".join(f"{k}: {v:.2f}" for k, v in r["nvcomp_only_by_streams"].items())
+            rates = r["split_rates"] or {}
+            lines.append(
+                f"{r['codec']} through gpulazy on cuda:0: host alone ({t} thr, copies included) "
+                f"{r['host_only_gbps']:.2f}, nvCOMP alone {r['nvcomp_only_gbps']:.2f}, split {r['split_gbps']:.2f} "
+                f"GB/s ({r['split_gpu_pieces']} of {r['split_pieces']} pieces to nvCOMP); host pool without "
+                f"copies {r[f'host_{t}threads_gbps']:.2f}; nvCOMP alone by pieces {{{streams}}}; learnt: "
+                f"host {rates.get('host_per_core', 0) / 1e9:.2f} GB/s/core, nvCOMP "
+                f"{rates.get('gpu_per_stream', 0) / 1e6:.1f} MB/s/stream, overlap {rates.get('overlap', 1):.2f}")
     return "\n".join(lines)
 
 

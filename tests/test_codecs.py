@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpulazy
-from gpulazy.codecs import _pipeline, _run, decoded_on, decode_pieces
+from gpulazy.codecs import _pipeline, _run, _split, decoded_on, decode_pieces
 from gpulazy.codecs.gpu import step_sizes
 from gpulazy.device import get_device
 from gpulazy.errors import ChunkDecodeError, PerformanceWarning
@@ -364,7 +364,8 @@ def test_compressors_really_decode_on_the_gpu(tmp_path, codec):
     gpulazy.stats().reset()
     data = sample((64, 100), "<u2")
     spec = tiled_spec(str(tmp_path / "a.bin"), data, (16, 100), (codec,))
-    with warnings.catch_warnings():
+    # Four small Deflate tiles would decode on the host's cores by choice (test_deflate_split.py).
+    with warnings.catch_warnings(), _split.force("gpu"):
         warnings.simplefilter("error", PerformanceWarning)
         np.testing.assert_array_equal(read(spec, "cuda:0"), data)
     places = gpulazy.stats().snapshot()["decode_by_codec"][codec.id]
@@ -397,7 +398,8 @@ def test_gzip_header_fields_are_skipped_on_the_gpu(tmp_path):
     head[3] = 4 | 8 | 16
     fancy = bytes(head) + (3).to_bytes(2, "little") + b"xyz" + b"name.raw\x00" + b"a comment\x00" + plain[10:]
     gpulazy.stats().reset()
-    out = decode_pieces([cupy.asarray(np.frombuffer(fancy, "u1"))], (GZIP,), [len(data)], get_device("cuda:0"))
+    with _split.force("gpu"):  # one piece would decode on the host by choice
+        out = decode_pieces([cupy.asarray(np.frombuffer(fancy, "u1"))], (GZIP,), [len(data)], get_device("cuda:0"))
     assert out[0].get().tobytes() == data
     assert set(gpulazy.stats().snapshot()["decode_by_codec"]["gzip"]) == {"gpu"}
 

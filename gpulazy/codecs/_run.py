@@ -22,7 +22,7 @@ from gpulazy.device import Device
 from gpulazy.errors import ChunkDecodeError, PerformanceWarning
 from gpulazy.spec import ByteRange, Codec
 
-__all__ = ["host_map", "host_pool", "decode_error", "size_error", "warn_host_fallback"]
+__all__ = ["cores", "host_map", "host_pool", "decode_error", "size_error", "warn_host_fallback"]
 
 
 def host_map(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
@@ -38,10 +38,16 @@ def host_map(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
 
 
 @functools.cache
+def cores() -> int:
+    """The cores this process may run on: ``host_pool``'s threads."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, n)
+
+
+@functools.cache
 def host_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The host decoders' threads: one per core this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, cores), thread_name_prefix="gpulazy-host-decode")
+    return concurrent.futures.ThreadPoolExecutor(max_workers=cores(), thread_name_prefix="gpulazy-host-decode")
 
 
 def _pad(where: Sequence[Any], n: int) -> list[Any]:

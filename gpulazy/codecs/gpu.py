@@ -7,6 +7,10 @@ runs on the host for those pieces: one copy down, numcodecs/imagecodecs on a thr
 pool, one copy up, with one ``PerformanceWarning`` per codec. Pieces nvCOMP does not
 take (unusual framing) or decodes to the wrong size go through the host too, which
 decodes them or raises the ``ChunkDecodeError`` that names the file and offset.
+Deflate (zlib, gzip, TIFF deflate) is the exception: nvCOMP decodes each stream slowly, so a
+Deflate batch is shared between nvCOMP and libdeflate on every host core, by rates this
+process measures (``gpulazy.codecs._split``, ``gpulazy.codecs._beside``); a batch with too few
+pieces for nvCOMP to pay off decodes on the host alone, with no warning.
 Where each step ran is recorded in ``gpulazy.stats()`` (``decode`` figures).
 ``gpulazy.config.set(gpu_decode=False)`` decodes every step on the host (for files you
 do not trust: nvCOMP assumes valid input, see ``gpulazy.codecs.nvcomp``).
@@ -72,27 +76,17 @@ def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Seq
 
 
 def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> list[Any]:
-    from gpulazy.codecs import filters
+    from gpulazy.codecs import _split, filters
     from gpulazy.codecs._run import _record, warn_host_fallback
 
     started = time.perf_counter()
     decoder = _batch_decoder(c) if sizes is not None else None
-    if decoder is not None:
-        res = decoder(pieces, c, sizes, device.index)
-        out = list(res.out)
-        on_gpu = [i for i in range(len(pieces)) if out[i] is not None]
-        if on_gpu:
-            _record(sum(sizes[i] for i in on_gpu), started, (c,), "gpu", device)
-        if res.slow:  # e.g. blosc whose inner codec has no GPU decoder
-            warn_host_fallback(c, device)
-        if res.host:  # framing nvCOMP does not take, or a result that failed a check
-            started = time.perf_counter()
-            redo = res.host_codec or c
-            for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], redo,
-                                                 [sizes[i] for i in res.host], [where[i] for i in res.host])):
-                out[i] = arr
-            _record(sum(sizes[i] for i in res.host), started, (c,), "host", device)
-        return out
+    if decoder is not None and sizes is not None:
+        if _split.applies(c):  # Deflate: nvCOMP is slow per stream, the host's cores take their share
+            from gpulazy.codecs._beside import beside_host
+
+            return beside_host(pieces, c, sizes, device, where, lambda *a: _batched(decoder, *a))
+        return _batched(decoder, pieces, c, sizes, device, where)
     if filters.handles(c):
         try:
             out = filters.decode(pieces, c)
@@ -110,13 +104,44 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
     return out
 
 
+def _batched(decoder: Any, pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any]
+             ) -> list[Any]:
+    """Step ``c`` over every piece in one call of its GPU batch decoder; the pieces it refuses on the host."""
+    from gpulazy.codecs._run import _record, warn_host_fallback
+
+    started = time.perf_counter()
+    res = decoder(pieces, c, sizes, device.index)
+    out = list(res.out)
+    on_gpu = [i for i in range(len(pieces)) if out[i] is not None]
+    if on_gpu:
+        _record(sum(sizes[i] for i in on_gpu), started, (c,), "gpu", device)
+    if res.slow:  # e.g. blosc whose inner codec has no GPU decoder
+        warn_host_fallback(c, device)
+    if res.host:  # framing nvCOMP does not take, or a result that failed a check
+        started = time.perf_counter()
+        redo = res.host_codec or c
+        for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], redo,
+                                             [sizes[i] for i in res.host], [where[i] for i in res.host])):
+            out[i] = arr
+        _record(sum(sizes[i] for i in res.host), started, (c,), "host", device)
+    return out
+
+
 def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]
              ) -> list[Any]:
-    """Step (or pipeline) ``c`` on the host: one copy down, decode on a thread pool, one copy up."""
+    """Step (or pipeline) ``c`` on the host: one copy down, decode on a thread pool, one copy up.
+
+    With the decoded sizes known, in rounds through pinned buffers, each piece decoded into its
+    slot of a buffer that goes up in one copy per round (``_beside.HostShare``).
+    """
     from gpulazy.codecs._run import _host_one, host_map
 
     if not pieces:
         return []
+    if sizes is not None:
+        from gpulazy.codecs._beside import HostShare
+
+        return HostShare(pieces, c if isinstance(c, tuple) else (c,), sizes, where).run()
     down = _download(pieces)
     sz = sizes if sizes is not None else [None] * len(pieces)
     jobs = [(p, n, w) for p, n, w in zip(down, sz, where)]

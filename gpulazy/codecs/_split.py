@@ -1,0 +1,249 @@
+"""Deflate on a GPU host: which pieces of a batch nvCOMP decodes and which the host's cores do.
+
+The two decoders scale differently. libdeflate (the ``deflate`` package, GIL released) decodes
+about 0.45 GB/s of output per core, so the host's time for a share is its bytes over all cores.
+nvCOMP decodes the Deflate streams of a batch side by side, each one slowly: 256 streams of
+2 MiB decoded at 1.6 GB/s in all on an H100 (``benchmarks/bench_codecs.py``), about 6 MB/s per
+stream, and fewer streams decode slower in all. So its time for a share is set by the share's
+largest piece, not its bytes, until every stream it can run at once is busy (``gpu_streams``).
+A few pieces on the GPU cost as long as many; the GPU helps only once the host's share would
+take longer than one piece takes nvCOMP. ``plan`` weighs both (with the copies the host's share
+costs) and returns the pieces nvCOMP decodes; the rest decode on the host, and a GPU share too
+small to pay for itself is none at all.
+
+The figures start from ``Rates()`` (the documented priors below) and follow what the batches
+of this process measure (``RECORD``, one per device): the host's rate per core from batches
+decoded on the host alone, nvCOMP's rate per stream and whether the host's threads ran while
+nvCOMP's call waited (``overlap``) from batches split between both. Nothing is written to
+config or disk.
+
+>>> big = [4 << 20] * 4096                      # a batch of 4096 chunks of 4 MiB
+>>> len(plan(big, big, cores=16, rates=Rates())) > 0
+True
+>>> plan([2 << 20] * 256, [2 << 20] * 256, cores=16, rates=Rates())  # nvCOMP alone is slower than the host
+[]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from gpulazy.spec import Codec
+
+__all__ = ["DEFLATE_IDS", "RECORD", "ROUND", "RateRecord", "Rates", "applies", "force", "gpu_seconds", "gpu_share",
+           "host_seconds", "makespan", "overlap", "per_stream", "plan"]
+
+#: Decoded bytes per round of a host share (``_beside.HostShare``): each round is copied down and
+#: up while the next decodes, so only the first copy down and the last copy up are not hidden.
+ROUND = 64 << 20
+#: The Deflate family: zlib and gzip framings (numcodecs, HDF5's gzip filter) and TIFF's deflate.
+DEFLATE_IDS = frozenset({"zlib", "gzip", "imagecodecs_zlib", "imagecodecs_deflate"})
+
+
+def applies(c: Codec) -> bool:
+    """Whether a GPU batch of step ``c`` is shared between nvCOMP and the host's cores."""
+    return c.id in DEFLATE_IDS
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What ``plan`` assumes; every rate in bytes of decoded output per second.
+
+    The priors: ``host_per_core`` libdeflate on one core of the 16-core H100 host (issue 21;
+    0.31 on this project's 2-core CI machine, ``bench_codecs.py --host-deflate``);
+    ``gpu_per_stream`` nvCOMP Deflate on an H100, 1.6 GB/s over 256 streams of 2 MiB
+    (``bench_codecs.py --chunks 256``); ``gpu_streams`` how many streams nvCOMP runs at once before
+    its rate stops growing: 256, the most that measurement saw (if it runs more, the rate per
+    stream measured at the batch's own count of pieces is higher, and the split follows; a
+    guess too high would cost the first batches nvCOMP's slowness instead); ``gpu_call`` what one nvCOMP call costs
+    besides decoding (framing checks, the copy of headers, the size read-back); ``link`` the
+    host share's copies down and up through pinned memory (54.9 GB/s host to device on that
+    host, ``DESIGN.md``), all but one round's each way hidden behind decoding (``ROUND``);
+    ``overlap`` 1 when the host's threads decode while the calling thread waits in nvCOMP, 0
+    when they stall (the two sides then take the sum of their times, not the larger).
+    """
+
+    host_per_core: float = 0.45e9
+    gpu_per_stream: float = 1.6e9 / 256
+    gpu_streams: int = 256
+    gpu_call: float = 2e-3
+    link: float = 50e9
+    overlap: float = 1.0
+
+
+def host_seconds(decoded: Sequence[int] | np.ndarray, stored: Sequence[int] | np.ndarray, cores: int,
+                 rates: Rates) -> float:
+    """Seconds for the host to decode these pieces on ``cores`` threads, their copies included."""
+    d = np.asarray(decoded, dtype=np.float64)
+    if d.size == 0:
+        return 0.0
+    s = np.asarray(stored, dtype=np.float64)
+    return float(_host_time(d.sum(), d.max(), s.sum(), cores, rates))
+
+
+def gpu_seconds(decoded: Sequence[int] | np.ndarray, rates: Rates) -> float:
+    """Seconds for nvCOMP to decode these pieces in one call."""
+    d = np.asarray(decoded, dtype=np.float64)
+    if d.size == 0:
+        return 0.0
+    return float(_gpu_time(d.sum(), d.max(), rates))
+
+
+def makespan(host: float, gpu: float, overlap: float) -> float:
+    """The batch's time when the host takes ``host`` seconds and nvCOMP ``gpu``, run side by side
+    (``overlap`` 1) or one after the other (0)."""
+    return max(host, gpu) + (1.0 - overlap) * min(host, gpu)
+
+
+def _host_time(total: Any, largest: Any, stored: Any, cores: int, rates: Rates) -> np.ndarray:
+    # All cores share the bytes, but no piece is split: the largest one is a floor. The
+    # copies of one round overlap the decoding of the next: the first copy down and the
+    # last up show (a round is at least a piece), the rest only where they outlast decoding.
+    decode = np.maximum(total / (max(1, cores) * rates.host_per_core), largest / rates.host_per_core)
+    copies = (total + stored) / rates.link
+    ends = 2 * np.minimum(total, np.maximum(ROUND, largest)) / rates.link
+    return np.where(total > 0, np.maximum(decode, copies) + ends, 0.0)
+
+
+def _gpu_time(total: Any, largest: Any, rates: Rates) -> np.ndarray:
+    # Streams decode side by side: the longest one sets the time, until they outnumber nvCOMP's slots.
+    decode = np.maximum(largest, total / rates.gpu_streams) / rates.gpu_per_stream
+    return np.where(total > 0, rates.gpu_call + decode, 0.0)
+
+
+def plan(decoded: Sequence[int], stored: Sequence[int], cores: int, rates: Rates) -> list[int]:
+    """Indices of the pieces nvCOMP decodes (ascending); the others decode on the host.
+
+    Tries every split that gives nvCOMP the ``k`` smallest or the ``k`` largest pieces (its
+    time follows its largest piece, the host's its bytes) and keeps the one with the
+    shortest ``makespan``; on a tie, the one with fewer pieces on the GPU (libdeflate
+    checks every checksum, nvCOMP none). So the result is never slower, by the model, than
+    either side alone.
+    """
+    n = len(decoded)
+    if n == 0:
+        return []
+    order = np.argsort(np.asarray(decoded, dtype=np.int64), kind="stable")
+    d = np.asarray(decoded, dtype=np.float64)[order]
+    s = np.asarray(stored, dtype=np.float64)[order]
+    cd, cs = np.concatenate([[0.0], np.cumsum(d)]), np.concatenate([[0.0], np.cumsum(s)])
+    k = np.arange(n + 1)
+    # nvCOMP takes the k smallest: its largest is d[k-1]; the host keeps d[k:], largest d[-1].
+    small = _makespans(
+        _host_time(cd[-1] - cd, np.where(k < n, d[-1], 0.0), cs[-1] - cs, cores, rates),
+        _gpu_time(cd, np.where(k > 0, d[np.maximum(k - 1, 0)], 0.0), rates), rates.overlap)
+    # nvCOMP takes the k largest: the host keeps d[:n-k], largest d[n-k-1].
+    rest = n - k
+    large = _makespans(
+        _host_time(cd[rest], np.where(rest > 0, d[np.maximum(rest - 1, 0)], 0.0), cs[rest], cores, rates),
+        _gpu_time(cd[-1] - cd[rest], np.where(k > 0, d[-1], 0.0), rates), rates.overlap)
+    ks, kl = int(np.argmin(small)), int(np.argmin(large))  # argmin: the first (fewest on the GPU) of equals
+    chosen = order[:ks] if (small[ks], ks) <= (large[kl], kl) else order[n - kl:]
+    return sorted(int(i) for i in chosen)
+
+
+def _makespans(host: np.ndarray, gpu: np.ndarray, overlap: float) -> np.ndarray:
+    # ``makespan`` over arrays: one value per candidate split.
+    return np.maximum(host, gpu) + (1.0 - overlap) * np.minimum(host, gpu)
+
+
+# -- measuring: what a batch says about the rates ------------------------------------------------
+
+def per_stream(decoded: Sequence[int], seconds: float, rates: Rates) -> float | None:
+    """nvCOMP's rate per stream that a call decoding ``decoded`` in ``seconds`` shows (None: no measure)."""
+    if not decoded or seconds <= 0:
+        return None
+    span = max(max(decoded), sum(decoded) / rates.gpu_streams)
+    return span / max(seconds - rates.gpu_call, seconds / 2)
+
+
+def overlap(host_predicted: float, gpu: float, wall: float) -> float | None:
+    """How far the two sides ran at once: 1 when the batch took the longer side's time, 0 when
+    it took their sum (the host's threads stalled while nvCOMP's call held the GIL)."""
+    shorter = min(host_predicted, gpu)
+    if shorter <= 0 or wall <= 0:
+        return None
+    return float(min(1.0, max(0.0, (host_predicted + gpu - wall) / shorter)))
+
+
+class RateRecord:
+    """The rates of this process, one ``Rates`` per device, each measure folded in with weight
+    ``weight`` (a moving average: a batch slowed by other work moves it, but not all the way)."""
+
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self._lock = threading.Lock()
+        self._rates: dict[str, Rates] = {}
+        self._counts: dict[str, dict[str, int]] = {}
+
+    def rates(self, device: str) -> Rates:
+        with self._lock:
+            return self._rates.get(device, Rates())
+
+    def fold(self, device: str, **measured: float | None) -> Rates:
+        """Fold the measured fields (``None`` ones skipped) into ``device``'s rates; the new rates."""
+        with self._lock:
+            old = self._rates.get(device, Rates())
+            new = {k: (1 - self.weight) * getattr(old, k) + self.weight * float(v)
+                   for k, v in measured.items() if v is not None}
+            self._rates[device] = dataclasses.replace(old, **new)
+            return self._rates[device]
+
+    def count(self, device: str, **amounts: int) -> None:
+        """Add to ``device``'s tallies (batches, pieces and bytes each side took, bytes copied)."""
+        with self._lock:
+            tally = self._counts.setdefault(device, {})
+            for k, v in amounts.items():
+                tally[k] = tally.get(k, 0) + int(v)
+
+    def snapshot(self) -> dict[str, dict]:
+        """``{device: {"rates": {...}, "counts": {...}}}``: what the split runs on now."""
+        with self._lock:
+            devices = set(self._rates) | set(self._counts)
+            return {d: {"rates": dataclasses.asdict(self._rates.get(d, Rates())),
+                        "counts": dict(self._counts.get(d, {}))} for d in sorted(devices)}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._rates.clear()
+            self._counts.clear()
+
+
+#: This process's rates (per device name).
+RECORD = RateRecord()
+
+_forced: list[str] = []
+_MODES = ("auto", "host", "gpu", "alternate")
+
+
+@contextlib.contextmanager
+def force(mode: str) -> Iterator[None]:
+    """Within the block, every Deflate batch on a GPU goes ``"host"`` (all pieces), ``"gpu"``
+    (all to nvCOMP), ``"alternate"`` (odd pieces to nvCOMP, even ones to the host) or
+    ``"auto"`` (``plan``). For benchmarks and tests; process-wide."""
+    if mode not in _MODES:
+        raise ValueError(f"split mode {mode!r}: expected one of {', '.join(_MODES)}")
+    _forced.append(mode)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device: str) -> list[int]:
+    """The pieces of this batch nvCOMP decodes on ``device``: ``plan`` on its recorded rates, or
+    what ``force`` says."""
+    mode = _forced[-1] if _forced else "auto"
+    if mode == "host":
+        return []
+    if mode == "gpu":
+        return list(range(len(decoded)))
+    if mode == "alternate":
+        return list(range(1, len(decoded), 2))
+    return plan(decoded, stored, cores, RECORD.rates(device))

@@ -1,0 +1,197 @@
+"""Which pieces of a Deflate batch nvCOMP decodes and which the host's cores do (``codecs._split``).
+
+Pure functions of rates, piece sizes and core count, checked by hypothesis against the two
+ways the split must never lose to: everything on the host and everything on nvCOMP.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpulazy.codecs import _split
+from gpulazy.codecs._split import Rates, gpu_seconds, host_seconds, makespan, plan
+from gpulazy.spec import Codec
+
+MiB = 1 << 20
+
+sizes_st = st.lists(st.integers(0, 8 * MiB), min_size=1, max_size=60)
+rates_st = st.builds(
+    Rates,
+    host_per_core=st.floats(1e7, 2e9),
+    gpu_per_stream=st.floats(1e5, 1e9),
+    gpu_streams=st.integers(1, 4096),
+    gpu_call=st.floats(0, 0.01),
+    link=st.floats(1e9, 1e11),
+    overlap=st.sampled_from([0.0, 0.5, 1.0]),
+)
+
+
+def time_of(gpu: list[int], decoded: list[int], stored: list[int], cores: int, r: Rates) -> float:
+    on_gpu = set(gpu)
+    host = [i for i in range(len(decoded)) if i not in on_gpu]
+    return makespan(host_seconds([decoded[i] for i in host], [stored[i] for i in host], cores, r),
+                    gpu_seconds([decoded[i] for i in gpu], r), r.overlap)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes_st, st.integers(1, 64), rates_st, st.floats(1.0, 3.0))
+def test_the_plan_is_a_subset_never_slower_than_either_side_alone(decoded, cores, r, ratio):
+    stored = [int(n / ratio) for n in decoded]
+    gpu = plan(decoded, stored, cores, r)
+    assert gpu == sorted(set(gpu)) and all(0 <= i < len(decoded) for i in gpu)
+    t = time_of(gpu, decoded, stored, cores, r)
+    everything = list(range(len(decoded)))
+    assert t <= time_of([], decoded, stored, cores, r) * (1 + 1e-9)
+    assert t <= time_of(everything, decoded, stored, cores, r) * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes_st, st.integers(1, 64), rates_st)
+def test_a_gpu_share_that_cannot_beat_the_host_alone_is_none(decoded, cores, r):
+    # No GPU share, however small, finishes before the host has decoded everything: all on the host.
+    smallest = min(decoded)
+    host_all = host_seconds(decoded, decoded, cores, r)
+    if host_all <= r.gpu_call + smallest / r.gpu_per_stream:
+        assert plan(decoded, decoded, cores, r) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 64), st.integers(1, 8 * MiB))
+def test_equal_pieces_with_no_gpu_cost_go_where_they_finish_first(n, cores, size):
+    # A GPU far faster than the host takes all; one far slower takes none.
+    fast = Rates(host_per_core=1e6, gpu_per_stream=1e12, gpu_call=0.0, gpu_streams=4096)
+    slow = Rates(host_per_core=1e9, gpu_per_stream=1.0)
+    assert plan([size] * n, [size] * n, cores, fast) == list(range(n))
+    assert plan([size] * n, [size] * n, cores, slow) == []
+
+
+def test_the_measured_workloads_of_issue_21():
+    r = Rates()
+    # bench_codecs --chunks 256: 256 pieces of 2 MiB. nvCOMP alone took 0.34 s; 16 cores take
+    # about a third of that: no piece goes to the GPU.
+    assert plan([2 * MiB] * 256, [int(2 * MiB / 1.16)] * 256, 16, r) == []
+    # A single piece never goes to nvCOMP (one stream: 6 MB/s).
+    assert plan([4 * MiB], [3 * MiB], 16, r) == []
+    # 4096 HDF5 chunks of 4 MiB: the host alone would take 2.4 s, one nvCOMP stream 0.7 s: both decode.
+    gpu = plan([4 * MiB] * 4096, [int(4 * MiB / 1.16)] * 4096, 16, r)
+    assert 0 < len(gpu) < 4096
+    host = [4 * MiB] * (4096 - len(gpu))
+    h, g = host_seconds(host, host, 16, r), gpu_seconds([4 * MiB] * len(gpu), r)
+    assert abs(h - g) < 0.1 * max(h, g)  # both sides finish together
+
+
+def test_mixed_sizes_give_the_gpu_the_pieces_that_cost_it_least():
+    # nvCOMP's time follows its largest piece: small edge tiles go to it, not the big ones.
+    r = Rates(host_per_core=1e8, gpu_per_stream=1e7, gpu_call=0.0, link=1e12)
+    decoded = [4 * MiB] * 8 + [64 << 10] * 200
+    gpu = plan(decoded, decoded, 4, r)
+    assert gpu and all(decoded[i] == 64 << 10 for i in gpu)
+
+
+@pytest.mark.parametrize("n", [256, 1024, 2048])
+def test_when_the_host_stalls_behind_nvcomp_a_batch_goes_to_one_side(n):
+    # overlap 0: the two sides take the sum of their times. A share of nvCOMP costs its
+    # largest piece's time whatever its size, so a split only adds the host's time to it.
+    decoded = [4 * MiB] * n
+    serial = plan(decoded, decoded, 16, Rates(overlap=0.0))
+    assert serial in ([], list(range(n)))
+    both = plan(decoded, decoded, 16, Rates())
+    assert time_of(serial, decoded, decoded, 16, Rates(overlap=0.0)) >= time_of(both, decoded, decoded, 16, Rates())
+
+
+def test_empty_batch_and_zero_sized_pieces():
+    assert plan([], [], 16, Rates()) == []
+    assert host_seconds([], [], 16, Rates()) == 0.0 and gpu_seconds([], Rates()) == 0.0
+    assert plan([0, 0, 0], [0, 0, 0], 4, Rates()) == []
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+def test_per_stream_rate_from_a_call():
+    r = Rates(gpu_call=0.0, gpu_streams=100)
+    # 50 streams of 2 MB in 0.5 s: the largest stream set the time, 4 MB/s per stream.
+    assert _split.per_stream([2_000_000] * 50, 0.5, r) == pytest.approx(4e6)
+    # 400 streams on 100 slots: four rounds of 2 MB in 0.5 s is 16 MB/s per stream.
+    assert _split.per_stream([2_000_000] * 400, 0.5, r) == pytest.approx(16e6)
+    assert _split.per_stream([], 0.5, r) is None and _split.per_stream([10], 0.0, r) is None
+
+
+@pytest.mark.parametrize("host, gpu, wall, want", [
+    (1.0, 1.0, 1.0, 1.0),   # side by side
+    (1.0, 1.0, 2.0, 0.0),   # one after the other
+    (1.0, 3.0, 3.5, 0.5),
+    (1.0, 1.0, 0.5, 1.0),   # faster than predicted: clamped
+    (1.0, 1.0, 9.0, 0.0),
+])
+def test_overlap_from_a_batchs_wall_time(host, gpu, wall, want):
+    assert _split.overlap(host, gpu, wall) == pytest.approx(want)
+
+
+def test_overlap_needs_both_sides():
+    assert _split.overlap(0.0, 1.0, 1.0) is None and _split.overlap(1.0, 1.0, 0.0) is None
+
+
+def test_the_record_folds_measures_per_device():
+    rec = _split.RateRecord(weight=0.5)
+    assert rec.rates("cuda:0") == Rates()
+    new = rec.fold("cuda:0", host_per_core=1.45e9, gpu_per_stream=None)
+    assert new.host_per_core == pytest.approx(0.95e9) and new.gpu_per_stream == Rates().gpu_per_stream
+    assert rec.rates("cuda:1") == Rates()  # each device its own
+    rec.count("cuda:0", batches=1, host_pieces=3)
+    rec.count("cuda:0", batches=1, host_pieces=2)
+    snap = rec.snapshot()["cuda:0"]
+    assert snap["counts"] == {"batches": 2, "host_pieces": 5}
+    assert snap["rates"]["host_per_core"] == pytest.approx(0.95e9)
+    rec.reset()
+    assert rec.snapshot() == {}
+
+
+def test_the_record_is_safe_across_threads():
+    rec = _split.RateRecord(weight=0.1)
+
+    def work():
+        for _ in range(200):
+            rec.fold("cuda:0", overlap=0.0)
+            rec.count("cuda:0", batches=1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rec.snapshot()["cuda:0"]["counts"]["batches"] == 800
+    assert rec.rates("cuda:0").overlap == pytest.approx(0.9 ** 800, abs=1e-12)
+
+
+# -- the knobs ---------------------------------------------------------------------------------
+
+def test_force_picks_the_share_and_nests():
+    sizes = [MiB] * 5
+    with _split.force("gpu"):
+        assert _split.gpu_share(sizes, sizes, 16, "cuda:9") == [0, 1, 2, 3, 4]
+        with _split.force("alternate"):
+            assert _split.gpu_share(sizes, sizes, 16, "cuda:9") == [1, 3]
+        with _split.force("host"):
+            assert _split.gpu_share(sizes, sizes, 16, "cuda:9") == []
+    assert _split.gpu_share(sizes, sizes, 16, "cuda:9") == plan(sizes, sizes, 16, Rates())
+    with pytest.raises(ValueError, match="expected one of auto, host, gpu, alternate"), _split.force("half"):
+        pass
+
+
+def test_only_the_deflate_family_is_split():
+    assert all(_split.applies(Codec.of(i)) for i in ("zlib", "gzip", "imagecodecs_zlib", "imagecodecs_deflate"))
+    assert not any(_split.applies(Codec.of(i)) for i in ("zstd", "lz4", "blosc", "shuffle"))
+
+
+def test_the_plan_is_fast_for_big_batches():
+    import time
+
+    decoded = np.random.default_rng(0).integers(1, 4 * MiB, 100_000).tolist()
+    t = time.perf_counter()
+    plan(decoded, decoded, 16, Rates())
+    assert time.perf_counter() - t < 1.0  # vectorised: every batch of a read plans once

@@ -169,7 +169,7 @@ def test_gpu_decodes_every_chunk_like_h5py_with_no_host_step(tmp_path, dtype):
     rng = np.random.default_rng(len(dtype))
     blobs, sizes, wants, codec = [], [], [], None
     for k, (chunks, nelems) in enumerate([((37, 50), 0), ((64, 64), 256), ((13, 7), 8), ((100, 99), 1024)]):
-        p = write(tmp_path / f"d{k}.h5", sample((int(rng.integers(20, 300)), 120), dtype, seed=k), chunks, nelems)
+        p = write(tmp_path / f"d{k}.h5", sample((int(rng.integers(100, 300)), 120), dtype, seed=k), chunks, nelems)
         b, s, codec = raw_chunks(p)
         blobs += b
         sizes += s

@@ -14,9 +14,14 @@ length, therefore gives the CRC32C the manifest holds, and any CRC variant (anot
 initial value, a salt, the length appended) stays affine and keeps such a constant.
 XXH3 is not linear: two different blocks agree on their 128-bit hash with
 probability 2**-128, whatever their structure. (It is no cryptographic hash: it
-catches accidents and tools, not an adversary who crafts collisions.) XXH3 hashes at
-about 15 GB/s on one core and releases the GIL, so a chunk's blocks hash in parallel
-threads.
+catches accidents and tools, not an adversary who crafts collisions.)
+
+Hashing runs on every core: XXH3 hashes at about 12 GB/s on one core and releases the GIL,
+so a chunk's blocks are cut into jobs of a few MiB (``_JOB_BYTES``: the pool's ~20 µs per job
+is then noise; one job per 256 KiB block spent more time in the pool than in XXH3) that
+the verify pool (``_pool``, one thread per core, shared by every read) and the calling
+thread hash side by side. A chunk is verified as its read is awaited, while the reads
+submitted after it are still landing, so hashing overlaps reading.
 
 ``verify=True`` (``from_files``, ``read_file``) checks every chunk's stored bytes after they
 land and before they are decoded, on every read path (``verify_chunk``, called by the
@@ -34,8 +39,9 @@ skipped, with a warning, where they are most of a large file (one dataset of an 
 file that holds many). A mismatch raises ``ChunkReadError`` naming the chunk (if any),
 the file and the offset.
 
-On a GPU the hash runs on the host: the chunk's stored bytes are copied down, then
-hashed.
+On a GPU the hash runs on the host: each job copies its own span of the chunk's stored
+bytes down (into its thread's pinned buffer, on that thread's non-blocking gpulazy stream,
+so copies overlap each other and never wait for the legacy default stream) and hashes it.
 
 >>> import numpy as np, os, tempfile, gpulazy
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "a.raw")
@@ -48,6 +54,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -71,7 +78,10 @@ ALGORITHM = "xxh3_128"
 DIGEST = 16            # bytes of one block's hash
 DEFAULT_BLOCK = 256 << 10
 _SEARCH_DEPTH = 16     # folders above a file searched for a manifest
-_PARALLEL_BYTES = 8 << 20  # a chunk with more bytes than this hashes its blocks in threads
+_PARALLEL_BYTES = 8 << 20  # a check of more bytes than this hashes in the verify pool
+# Bytes one job hashes: at least _JOB_BYTES (the pool's cost per job, ~20 µs, against ~0.3 ms
+# of XXH3 for 4 MiB), at most _JOB_MAX (a GPU job's pinned buffer, one per thread).
+_JOB_BYTES, _JOB_MAX = 4 << 20, 16 << 20
 # The blocks of layout metadata checked by ``from_files(verify=True)`` before anything is
 # read: up to this many bytes, or this fraction of the file, whichever is more.
 _METADATA_BYTES, _METADATA_FRACTION = 64 << 20, 0.25
@@ -138,16 +148,38 @@ def _group(paths: Any) -> dict[str, list[str]]:
 
 def _file_entry(path: str, block_size: int) -> dict:
     st = os.stat(path)
-    digests = bytearray()
-    buf = np.empty(block_size, np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        for i in range(-(-st.st_size // block_size)):
-            n = f.readinto(buf)
-            if n != min(block_size, st.st_size - i * block_size):
-                raise ChunkReadError(f"{path!r} changed size while its checksums were computed", path=path,
-                                     offset=i * block_size)
-            digests += block_hash(buf[:n])
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "block_size": block_size, ALGORITHM: digests.hex()}
+    spans = _spans(-(-st.st_size // block_size), block_size, st.st_size)
+    digests = _run([functools.partial(_hash_file_span, path, st.st_size, block_size, b0, b1) for b0, b1 in spans],
+                   st.st_size)
+    now = os.stat(path)
+    if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        raise ChunkReadError(f"{path!r} changed while its checksums were computed; write them again when it is "
+                             "no longer being written", path=path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "block_size": block_size,
+            ALGORITHM: b"".join(digests).hex()}
+
+
+def _spans(nblocks: int, block_size: int, nbytes: int, first: int = 0) -> list[tuple[int, int]]:
+    """Blocks ``first .. first + nblocks`` cut into ``(b0, b1)`` runs of about one job's bytes
+    each: enough jobs for every worker twice over, none under ``_JOB_BYTES`` (unless it is all)."""
+    per_job = min(max(_JOB_BYTES, nbytes // (2 * _workers())), _JOB_MAX)
+    step = max(1, per_job // block_size)
+    return [(b, min(b + step, first + nblocks)) for b in range(first, first + nblocks, step)]
+
+
+def _hash_file_span(path: str, size: int, block_size: int, b0: int, b1: int) -> bytes:
+    """The hashes of blocks ``b0 .. b1`` of ``path`` (``size`` bytes), read in one ``pread``."""
+    start, end = b0 * block_size, min(b1 * block_size, size)
+    data = np.frombuffer(_pread(path, start, end - start, "while its checksums were computed"), np.uint8)
+    return _digests(data, block_size)
+
+
+def _digests(data: Any, block_size: int) -> bytes:
+    """The hash of every ``block_size`` bytes of ``data`` (1-D uint8, the last block may be shorter), joined."""
+    import xxhash
+
+    digest = xxhash.xxh3_128_digest  # one call per block: the same hash as block_hash, without a state object
+    return b"".join(digest(data[at: at + block_size]) for at in range(0, len(data), block_size))
 
 
 def _empty() -> dict:
@@ -322,7 +354,7 @@ def _verify_metadata_blocks(path: str, entry: _Entry, covered: list[tuple[int, i
                       "whatever else the file holds); only the chunks' own bytes are verified, not the metadata "
                       "that locates them", stacklevel=3)
         return
-    _run([lambda b=b: _check_block(path, entry, b, [], None, None) for b in blocks], nbytes)
+    _check_file_blocks(path, entry, blocks)
 
 
 def _verify_store_metadata(entries: dict[str, _Entry]) -> None:
@@ -338,9 +370,29 @@ def _verify_store_metadata(entries: dict[str, _Entry]) -> None:
                 meta = os.path.join(folder, name)
                 listed = _listed(meta, required=False) if os.path.isfile(meta) else None
                 if listed is not None:  # a manifest written for chunk files only lists none
-                    _run([lambda b=b, m=meta, e=listed: _check_block(m, e, b, [], None, None)
-                          for b in range(listed.nblocks)], listed.size)
+                    _check_file_blocks(meta, listed, range(listed.nblocks))
             folder = os.path.dirname(folder)
+
+
+def _check_file_blocks(path: str, entry: _Entry, blocks: Sequence[int]) -> None:
+    """Hash ``blocks`` (sorted) of ``path`` as the file holds them, on every core: runs of
+    consecutive blocks, a job's bytes each, read in one ``pread`` per job."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    bs = entry.block_size
+    nbytes = sum(min(b1 * bs, entry.size) - b0 * bs for b0, b1 in runs)
+    jobs = [functools.partial(_check_file_run, path, entry, b0, b1)
+            for r0, r1 in runs for b0, b1 in _spans(r1 - r0, bs, nbytes, r0)]
+    _run(jobs, nbytes)
+
+
+def _check_file_run(path: str, entry: _Entry, b0: int, b1: int) -> None:
+    got = _hash_file_span(path, entry.size, entry.block_size, b0, b1)
+    _compare(got, path, entry, b0, b1, None)
 
 
 def _uncovered_blocks(entry: _Entry, covered: list[tuple[int, int]]) -> list[int]:
@@ -408,14 +460,20 @@ def verify_chunk(buf: Any, spec: ChunkSpec) -> None:
                 raise LayoutError(f"verify=True but no checksums are known for {path!r}: write them with "
                                   "gpulazy index --checksum")
     if any(e is not None for e in entries.values()):
-        _verify_blocks(_on_host(buf), spec, entries)
+        _verify_blocks(buf.reshape(-1).view(np.uint8), spec, entries)
     # A crc32c-coded chunk (``step``) is checked by its codec on every read, verify or not.
 
 
-def _verify_blocks(host: np.ndarray, spec: ChunkSpec, entries: dict[str, _Entry | None]) -> None:
-    """Hash each manifest block the chunk's ranges touch, once: the chunk's own bytes where
-    it read them, the rest of the block from the file."""
-    pieces: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (path, block) -> (lo, hi, at in host)
+def _verify_blocks(flat: Any, spec: ChunkSpec, entries: dict[str, _Entry | None]) -> None:
+    """Hash each manifest block the chunk's ranges touch, once, on every core (``_run``).
+
+    ``flat`` (1-D uint8, host or device) holds the ranges' bytes one after another. A block
+    a range holds whole is hashed straight from ``flat``, in runs of blocks of a job's size
+    (``_check_run``); a block a range only cuts (``_check_edge``) gets the chunk's bytes of
+    it from ``flat`` (from every range that touches it) and the rest from the file.
+    """
+    runs: list[tuple[str, _Entry, int, int, int]] = []  # (path, entry, b0, b1, at in flat of block b0)
+    edges: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (path, block) -> (lo, hi, at in flat)
     at = 0
     for r in spec.ranges:
         entry = entries[r.path]
@@ -423,17 +481,105 @@ def _verify_blocks(host: np.ndarray, spec: ChunkSpec, entries: dict[str, _Entry 
             if r.offset + r.nbytes > entry.size:
                 raise _mismatch(spec, r.path, r.offset, r.nbytes, f"the manifest {entry.manifest!r} covers only "
                                 f"{entry.size} bytes of it")
+            whole0, whole1 = _whole_blocks(entry, r.offset, r.nbytes)
+            if whole1 > whole0:
+                runs.append((r.path, entry, whole0, whole1, at + whole0 * entry.block_size - r.offset))
             for b in entry.blocks(r.offset, r.nbytes):
-                start, end = entry.bounds(b)
-                lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
-                pieces.setdefault((r.path, b), []).append((lo, hi, at + lo - r.offset))
+                if not whole0 <= b < whole1:
+                    start, end = entry.bounds(b)
+                    lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
+                    edges.setdefault((r.path, b), []).append((lo, hi, at + lo - r.offset))
         at += r.nbytes
-    jobs = []
-    for (path, b), ps in pieces.items():
+    if not isinstance(flat, np.ndarray):
+        runs = _check_runs_on_device(flat, spec, runs)  # what is left: blocks the kernel does not take
+    jobs, nbytes = [], 0
+    for path, entry, w0, w1, first in runs:
+        run_bytes = entry.bounds(w1 - 1)[1] - entry.bounds(w0)[0]
+        for b0, b1 in _spans(w1 - w0, entry.block_size, run_bytes, w0):
+            jobs.append(functools.partial(_check_run, flat, spec, path, entry, b0, b1,
+                                          first + (b0 - w0) * entry.block_size))
+        nbytes += run_bytes
+    for (path, b), ps in edges.items():
         ps.sort()
         groups = [ps] if all(p[1] <= q[0] for p, q in zip(ps, ps[1:])) else [[p] for p in ps]  # overlaps: each alone
-        jobs += [lambda path=path, b=b, g=g: _check_block(path, entries[path], b, g, host, spec) for g in groups]
-    _run(jobs, sum(hi - lo for ps in pieces.values() for lo, hi, _ in ps))
+        jobs += [functools.partial(_check_edge, flat, spec, path, entries[path], b, g) for g in groups]
+        nbytes += sum(hi - lo for lo, hi, _ in ps)
+    _run(jobs, nbytes)
+
+
+def _check_runs_on_device(flat: Any, spec: ChunkSpec, runs: list) -> list:
+    """Hash the whole blocks of ``runs`` where ``flat`` (a CuPy buffer) holds them, in one kernel
+    (``gpulazy._xxh3_gpu``), and compare the 16-byte hashes that come down; returns the runs
+    left to the host (``_device_plan``), all of them where the kernel is not usable."""
+    from gpulazy import _xxh3_gpu
+
+    if not runs or not _xxh3_gpu.usable(flat.device.id):
+        return runs
+    from gpulazy.device import Device, gpulazy_stream
+
+    on_device, starts, lengths, left = _device_plan(runs, _xxh3_gpu.MIN_BYTES)
+    if on_device:
+        got = _xxh3_gpu.block_digests(flat, starts, lengths, gpulazy_stream(Device("cuda", flat.device.id)))
+        k = 0
+        for path, entry, b0, b1 in on_device:
+            _compare(got[k * DIGEST: (k + b1 - b0) * DIGEST], path, entry, b0, b1, spec)
+            k += b1 - b0
+    return left
+
+
+def _device_plan(runs: list, min_bytes: int) -> tuple[list, np.ndarray, np.ndarray, list]:
+    """``(on_device, starts, lengths, left)``: the blocks of ``runs`` (``(path, entry, b0, b1, at)``)
+    the kernel hashes, as ``(path, entry, b0, b1)`` with each block's start in the buffer and
+    length, in order; and the runs left to the host: blocks shorter than ``min_bytes`` (a
+    file's last block; every block of a manifest of tiny blocks)."""
+    on_device, left, starts, lengths = [], [], [], []
+    for path, entry, b0, b1, at in runs:
+        if entry.block_size < min_bytes:
+            left.append((path, entry, b0, b1, at))
+            continue
+        last = entry.bounds(b1 - 1)
+        if last[1] - last[0] < min_bytes:
+            left.append((path, entry, b1 - 1, b1, at + (b1 - 1 - b0) * entry.block_size))
+            b1 -= 1
+        if b1 > b0:
+            offsets = np.arange(b1 - b0, dtype=np.int64) * entry.block_size
+            starts.append(at + offsets)
+            lengths.append(np.minimum(entry.block_size, entry.size - b0 * entry.block_size - offsets))
+            on_device.append((path, entry, b0, b1))
+    empty = np.zeros(0, np.int64)
+    return on_device, np.concatenate(starts or [empty]), np.concatenate(lengths or [empty]), left
+
+
+def _whole_blocks(entry: _Entry, offset: int, nbytes: int) -> tuple[int, int]:
+    """``(b0, b1)``: the blocks that bytes ``offset .. offset + nbytes`` hold whole (``b0 == b1``: none)."""
+    b0 = -(-offset // entry.block_size)
+    end = offset + nbytes
+    b1 = entry.nblocks if end == entry.size else end // entry.block_size  # the file's last block may be shorter
+    return b0, max(b0, b1)
+
+
+def _check_run(flat: Any, spec: ChunkSpec, path: str, entry: _Entry, b0: int, b1: int, at: int) -> None:
+    """Hash blocks ``b0 .. b1`` of ``path``, held whole in ``flat`` from ``at`` on."""
+    start, end = entry.bounds(b0)[0], entry.bounds(b1 - 1)[1]
+    _compare(_digests(_host_span(flat, at, at + end - start), entry.block_size), path, entry, b0, b1, spec)
+
+
+def _compare(got: bytes, path: str, entry: _Entry, b0: int, b1: int, spec: ChunkSpec | None) -> None:
+    """Raise ``_block_error`` for the first of blocks ``b0 .. b1`` whose hash (in ``got``, joined) differs."""
+    want = entry._blob[b0 * DIGEST: b1 * DIGEST]
+    if got != want:
+        i = next(i for i in range(b1 - b0) if got[i * DIGEST: (i + 1) * DIGEST] != want[i * DIGEST: (i + 1) * DIGEST])
+        lo, hi = entry.bounds(b0 + i)
+        raise _block_error(path, entry, b0 + i, got[i * DIGEST: (i + 1) * DIGEST], lo, hi, spec)
+
+
+def _check_edge(flat: Any, spec: ChunkSpec, path: str, entry: _Entry, b: int,
+                pieces: Sequence[tuple[int, int, int]]) -> None:
+    """``_check_block`` for a block the chunk holds only pieces of: just those pieces' span of ``flat``
+    comes to the host."""
+    lo = min(at for _, _, at in pieces)
+    hi = max(at + h - l for l, h, at in pieces)
+    _check_block(path, entry, b, [(l, h, at - lo) for l, h, at in pieces], _host_span(flat, lo, hi), spec)
 
 
 def _check_block(path: str, entry: _Entry, b: int, pieces: Sequence[tuple[int, int, int]], host: Any,
@@ -449,54 +595,106 @@ def _check_block(path: str, entry: _Entry, b: int, pieces: Sequence[tuple[int, i
         cursor = hi
     if cursor < end:
         parts.append(_pread(path, cursor, end - cursor))
-    got, want = block_hash(*parts), entry.digest(b)
-    if got != want:
+    got = block_hash(*parts)
+    if got != entry.digest(b):
         lo, hi = (pieces[0][0], pieces[-1][1]) if pieces else (start, end)
-        why = (f"{ALGORITHM} {got.hex()} of bytes {start}..{end} (block {b}) differs from {want.hex()} in "
-               f"{entry.manifest!r}")
-        if spec is None:
-            raise ChunkReadError(f"{path!r} failed verification at offset {start} ({end - start} bytes of the metadata "
-                                 f"that describes or locates chunks): {why}; the file is corrupt or was changed since "
-                                 "it was indexed with gpulazy index --checksum", path=path, offset=start,
-                                 expected=end - start)
-        raise _mismatch(spec, path, lo, hi - lo, why)
+        raise _block_error(path, entry, b, got, lo, hi, spec)
 
 
-def _run(jobs: list, nbytes: int) -> None:
-    """Run the block checks ``jobs``: in threads when there are many bytes (XXH3 releases the GIL).
+def _block_error(path: str, entry: _Entry, b: int, got: bytes, lo: int, hi: int, spec: ChunkSpec | None
+                 ) -> ChunkReadError:
+    """The mismatch of block ``b`` of ``path``, whose bytes ``lo .. hi`` the chunk ``spec`` read
+    (``None``: bytes no chunk reads, the layout's metadata)."""
+    start, end = entry.bounds(b)
+    why = (f"{ALGORITHM} {got.hex()} of bytes {start}..{end} (block {b}) differs from {entry.digest(b).hex()} in "
+           f"{entry.manifest!r}")
+    if spec is None:
+        return ChunkReadError(f"{path!r} failed verification at offset {start} ({end - start} bytes of the metadata "
+                              f"that describes or locates chunks): {why}; the file is corrupt or was changed since "
+                              "it was indexed with gpulazy index --checksum", path=path, offset=start,
+                              expected=end - start)
+    return _mismatch(spec, path, lo, hi - lo, why)
 
-    The threads are this call's own (starting them costs ~0.1 ms, hashing 8 MiB ~0.5 ms):
-    nothing is left running between reads."""
-    if len(jobs) < 2 or nbytes < _PARALLEL_BYTES:
-        for job in jobs:
-            job()
-        return
-    with ThreadPoolExecutor(min(len(jobs), 8, os.cpu_count() or 2), thread_name_prefix="gpulazy-verify") as pool:
-        futures = [pool.submit(job) for job in jobs]
-    first = next((f.exception() for f in futures if f.exception() is not None), None)
-    if first is not None:
-        raise first
+
+# -- running the jobs -------------------------------------------------------------------
+
+_local = threading.local()  # in_pool: a verify worker; pinned: this thread's pinned host buffer
 
 
-def _on_host(buf: Any) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    import cupyx
+def _workers() -> int:
+    """Threads that hash: one per core this process may run on."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
-    flat = buf.reshape(-1).view("uint8")
-    host = cupyx.empty_pinned(flat.shape, np.uint8)  # pinned: a faster copy than to pageable memory
-    flat.get(out=host)
+
+def _mark_worker() -> None:
+    _local.in_pool = True
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """The verify pool, one per process, shared by every read (as ``codecs._run.host_pool`` is by
+    host decodes): a pool of its own, so that a hash job never queues behind a decode batch."""
+    return ThreadPoolExecutor(_workers(), thread_name_prefix="gpulazy-verify", initializer=_mark_worker)
+
+
+def _run(jobs: list, nbytes: int) -> list:
+    """Run ``jobs`` (callables, each about ``nbytes / len(jobs)`` bytes of hashing); their results, in order.
+
+    Many bytes: the calling thread runs the first job while the verify pool runs the rest
+    (XXH3 and ``pread`` release the GIL); every job has finished when this returns, and the
+    first failing job's error (in order, not in time) is raised. Few bytes, or called from
+    a verify worker (which must never wait on its own pool): one after another, here.
+    """
+    if len(jobs) < 2 or nbytes < _PARALLEL_BYTES or getattr(_local, "in_pool", False):
+        return [job() for job in jobs]
+    futures = [_pool().submit(job) for job in jobs[1:]]
+    try:
+        first = [jobs[0]()]
+    except BaseException as e:  # raised once the pool's jobs are done: none outlives this call
+        first = [e]
+    errors = [first[0] if isinstance(first[0], BaseException) else None] + [f.exception() for f in futures]
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+    return first + [f.result() for f in futures]
+
+
+def _host_span(flat: Any, lo: int, hi: int) -> np.ndarray:
+    """Bytes ``lo .. hi`` of ``flat`` on the host: a view of a NumPy buffer; a device buffer's
+    span copied into this thread's pinned buffer (valid until this thread's next copy)."""
+    if isinstance(flat, np.ndarray):
+        return flat[lo:hi]
+    from gpulazy.device import Device, gpulazy_stream
+
+    dev = Device("cuda", flat.device.id)
+    host = _pinned(hi - lo)
+    with dev.activate():
+        # This thread's non-blocking stream: copies of several jobs overlap, and none waits for
+        # (or holds up) the legacy default stream. The read has landed: its future returned.
+        stream = gpulazy_stream(dev)
+        flat[lo:hi].get(stream=stream, out=host)
+        stream.synchronize()  # the host hashes it next
     return host
 
 
-def _pread(path: str, offset: int, nbytes: int) -> bytes:
+def _pinned(nbytes: int) -> np.ndarray:
+    """This thread's pinned host buffer, at least ``nbytes`` (grown, never shrunk: one job's span)."""
+    have = getattr(_local, "pinned", None)
+    if have is None or have.nbytes < nbytes:
+        import cupyx
+
+        have = _local.pinned = cupyx.empty_pinned(max(nbytes, _JOB_BYTES), np.uint8)
+    return have[:nbytes]
+
+
+def _pread(path: str, offset: int, nbytes: int, why: str = "while verifying") -> bytes:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
         data = os.pread(fd, nbytes, offset)
     finally:
         os.close(fd)
     if len(data) != nbytes:
-        raise ChunkReadError(f"short read of {path!r} at offset {offset} while verifying: expected {nbytes} bytes, "
+        raise ChunkReadError(f"short read of {path!r} at offset {offset} {why}: expected {nbytes} bytes, "
                              f"got {len(data)}", path=path, offset=offset, expected=nbytes, got=len(data))
     return data
 

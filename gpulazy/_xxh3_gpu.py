@@ -156,6 +156,7 @@ extern "C" __global__ void xxh3_128(const unsigned char* base, const u64* starts
                          0x85EBCA77C2B2AE63ull, 0x85EBCA77ull, 0x27D4EB2F165667C5ull, 0x9E3779B1ull};
     u64 acc = init[i];
     const u64 rounds = (len - 1) / 1024;
+    #pragma unroll 4   // the loads of later rounds do not wait for this round's scramble: issue them early
     for (u64 r = 0; r < rounds; ++r) {
         const unsigned char* q = p + r * 1024;
         u64 prod = 0, data = 0;

@@ -16,7 +16,7 @@ XXH3 is not linear: two different blocks agree on their 128-bit hash with
 probability 2**-128, whatever their structure. (It is no cryptographic hash: it
 catches accidents and tools, not an adversary who crafts collisions.)
 
-Hashing runs on every core: XXH3 hashes at about 12 GB/s on one core and releases the GIL,
+On the host, hashing runs on every core: XXH3 hashes at about 12 GB/s on one core and releases the GIL,
 so a chunk's blocks are cut into jobs of a few MiB (``_JOB_BYTES``: the pool's ~20 µs per job
 is then noise; one job per 256 KiB block spent more time in the pool than in XXH3) that
 the verify pool (``_pool``, one thread per core, shared by every read) and the calling
@@ -39,9 +39,12 @@ skipped, with a warning, where they are most of a large file (one dataset of an 
 file that holds many). A mismatch raises ``ChunkReadError`` naming the chunk (if any),
 the file and the offset.
 
-On a GPU the hash runs on the host: each job copies its own span of the chunk's stored
-bytes down (into its thread's pinned buffer, on that thread's non-blocking gpulazy stream,
-so copies overlap each other and never wait for the legacy default stream) and hashes it.
+On a GPU the whole blocks a chunk holds are hashed where they landed, by one kernel per
+chunk (``gpulazy._xxh3_gpu``; only the 16-byte hashes come down), run on the calling
+thread's non-blocking gpulazy stream. The rest goes to the host: blocks a chunk only cuts,
+a file's last block when it is 240 bytes or fewer, and everything where the kernel is not
+usable (it is checked against ``xxhash`` once per process); each job copies just its span
+down, into its thread's pinned buffer, on its thread's gpulazy stream.
 
 >>> import numpy as np, os, tempfile, gpulazy
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "a.raw")

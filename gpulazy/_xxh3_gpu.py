@@ -61,15 +61,34 @@ def _table() -> np.ndarray:
     return np.concatenate([_words(0, 24), _words(121), _words(11), _words(117)]).astype(np.uint64)
 
 
-# -- the arithmetic, in NumPy ---------------------------------------------------------------
+# -- the kernel's arithmetic, lane by lane, in NumPy -----------------------------------------
 
-def _add_stripes(acc: np.ndarray, stripes: np.ndarray) -> None:
-    """Add ``stripes`` (k x 8 words, stripe ``s`` against secret words ``s .. s + 8``) to ``acc``."""
+_LANE = np.arange(32)
+_I, _G = _LANE & 7, _LANE >> 3  # lane = (g, i): accumulator i, stripes g, g + 4, ...
+
+
+def _shfl_xor(x: np.ndarray, mask: int) -> np.ndarray:
+    return x[_LANE ^ mask]
+
+
+def _group_sum(x: np.ndarray) -> np.ndarray:
+    x = x + _shfl_xor(x, 8)
+    return x + _shfl_xor(x, 16)
+
+
+def _stripes(words: np.ndarray, stripes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each lane's ``(product sum, data sum)`` over its stripes of a round (``words``: the round's
+    64-bit words; stripe ``s`` is words ``8s .. 8s + 8``), as the kernel's loop makes them."""
+    prod, data = np.zeros(32, np.uint64), np.zeros(32, np.uint64)
     table = _table()
-    keys = np.stack([table[s: s + 8] for s in range(len(stripes))]) if len(stripes) else stripes
-    dk = stripes ^ keys
-    acc += ((dk & np.uint64(0xFFFFFFFF)) * (dk >> np.uint64(32))).sum(axis=0, dtype=np.uint64)
-    acc += stripes.sum(axis=0, dtype=np.uint64)[np.arange(8) ^ 1]  # accumulator i takes lane i ^ 1's data
+    for t in range(4 if stripes else 0):
+        s = _G + 4 * t
+        mine = s < stripes
+        v = np.where(mine, words[np.where(mine, 8 * s + _I, 0)], np.uint64(0))
+        k = v ^ table[np.where(mine, s, 0) + _I]
+        prod += np.where(mine, (k & np.uint64(0xFFFFFFFF)) * (k >> np.uint64(32)), np.uint64(0))
+        data += v
+    return prod, data
 
 
 def _fold(a: int, b: int) -> int:
@@ -84,37 +103,37 @@ def _avalanche(h: int) -> int:
 
 
 def hash_on_host(data: np.ndarray) -> bytes:
-    """XXH3-128 of ``data`` (1-D uint8, at least ``MIN_BYTES``) by the kernel's arithmetic, in NumPy
-    (slow; for tests): equal to ``xxhash.xxh3_128_digest(data)``."""
+    """XXH3-128 of ``data`` (1-D uint8, at least ``MIN_BYTES``) as the kernel computes it, its 32
+    lanes and shuffles emulated in NumPy (slow; for tests): equal to ``xxhash.xxh3_128_digest(data)``."""
     data = np.ascontiguousarray(data, np.uint8)
     n = len(data)
     if n < MIN_BYTES:
         raise ValueError(f"XXH3's long path needs at least {MIN_BYTES} bytes, got {n}")
     table = _table()
     with np.errstate(over="ignore"):
-        acc = np.array(_INIT, np.uint64)
+        acc = np.array(_INIT, np.uint64)[_I]
         rounds = (n - 1) // 1024
-        for r in range(rounds):
-            _add_stripes(acc, np.frombuffer(data[r * 1024: (r + 1) * 1024].tobytes(), "<u8").reshape(16, 8))
-            acc ^= acc >> np.uint64(47)
-            acc ^= table[16:24]
-            acc *= np.uint64(_P32_1)
-        stripes = ((n - 1) - 1024 * rounds) // 64
-        _add_stripes(acc, np.frombuffer(data[rounds * 1024: rounds * 1024 + 64 * stripes].tobytes(),
-                                        "<u8").reshape(stripes, 8))
-        last = np.frombuffer(data[n - 64:].tobytes(), "<u8")
-        dk = last ^ table[24:32]
-        acc += (dk & np.uint64(0xFFFFFFFF)) * (dk >> np.uint64(32)) + last[np.arange(8) ^ 1]
-    a = [int(x) for x in acc]
+        for r in range(rounds + 1):  # the last one: the stripes before the last, no scramble
+            stripes = 16 if r < rounds else ((n - 1) - 1024 * rounds) // 64
+            words = np.frombuffer(data[1024 * r: 1024 * r + 64 * stripes].tobytes(), "<u8")
+            prod, dsum = _stripes(words, stripes)
+            acc += _group_sum(prod) + _shfl_xor(_group_sum(dsum), 1)
+            if r < rounds:
+                acc ^= acc >> np.uint64(47)
+                acc ^= table[16 + _I]
+                acc *= np.uint64(_P32_1)
+        v = np.frombuffer(data[n - 64:].tobytes(), "<u8")[_I]  # the last stripe
+        k = v ^ table[24 + _I]
+        acc += (k & np.uint64(0xFFFFFFFF)) * (k >> np.uint64(32)) + _shfl_xor(v, 1)
+    a = [int(x) for x in acc[:8]]  # lanes 0..7: g = 0, accumulator i
 
-    def merge(words: np.ndarray, start: int) -> int:
-        w = [int(x) for x in words]
+    def merge(first: int, start: int) -> int:
         for j in range(4):
-            start = (start + _fold(a[2 * j] ^ w[2 * j], a[2 * j + 1] ^ w[2 * j + 1])) & _M
+            start = (start + _fold(a[2 * j] ^ int(table[first + 2 * j]), a[2 * j + 1] ^ int(table[first + 2 * j + 1]))) & _M
         return _avalanche(start)
 
-    low = merge(table[32:40], (n * _P64_1) & _M)
-    high = merge(table[40:48], ~(n * _P64_2) & _M)
+    low = merge(32, (n * _P64_1) & _M)
+    high = merge(40, ~(n * _P64_2) & _M)
     return high.to_bytes(8, "big") + low.to_bytes(8, "big")  # xxhash's canonical digest: high half first
 
 

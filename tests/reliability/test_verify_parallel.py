@@ -176,3 +176,20 @@ def test_gpu_verify_reads_a_good_file_and_names_every_flipped_block(tmp_path, bl
             _names_the_block(info.value, path, at, block)
         flip_byte(path, at)
     assert os.path.getsize(path) == SIZE
+
+
+@pytest.mark.timeout(60)
+def test_kernel_compiles_for_hopper(tmp_path):
+    """The kernel's source compiles (nvcc, where installed; no GPU needed): a typo would otherwise
+    show only on a GPU host, as the fallback's warning."""
+    import shutil
+    import subprocess
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    src = tmp_path / "xxh3.cu"
+    src.write_text(_xxh3_gpu._SOURCE)
+    done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "xxh3.cubin"), str(src)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

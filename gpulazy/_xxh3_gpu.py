@@ -164,12 +164,12 @@ __device__ __forceinline__ u64 avalanche(u64 h) {
     return h ^ (h >> 32);
 }
 
-extern "C" __global__ void xxh3_128(const unsigned char* base, const u64* starts, const u64* lengths,
-                                    const u64* secret, u64* out, int n) {
+extern "C" __global__ void xxh3_128(const u64* addresses, const u64* lengths, const u64* secret, u64* out,
+                                    int n) {
     const int warp = (int)(((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     if (warp >= n) return;                      // whole warps leave: the shuffles below see all 32 lanes
     const int lane = threadIdx.x & 31, i = lane & 7, g = lane >> 3;
-    const unsigned char* p = base + starts[warp];
+    const unsigned char* p = (const unsigned char*)addresses[warp];   // blocks of any buffers of the device
     const u64 len = lengths[warp];
     const u64 init[8] = {0xC2B2AE3Dull, 0x9E3779B185EBCA87ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
                          0x85EBCA77C2B2AE63ull, 0x85EBCA77ull, 0x27D4EB2F165667C5ull, 0x9E3779B1ull};
@@ -232,21 +232,20 @@ def _kernel(device_index: int) -> Any:
         return cupy.RawKernel(_SOURCE, "xxh3_128")
 
 
-def block_digests(buf: Any, starts: np.ndarray, lengths: np.ndarray, stream: Any) -> bytes:
-    """The XXH3-128 digests (16 bytes each, joined) of ``buf[starts[k]: starts[k] + lengths[k]]``
-    (``buf`` a 1-D uint8 CuPy array, every length at least ``MIN_BYTES``), hashed on ``stream``
-    and waited for."""
+def block_digests(device_index: int, addresses: np.ndarray, lengths: np.ndarray, stream: Any) -> bytes:
+    """The XXH3-128 digests (16 bytes each, joined) of the ``lengths[k]`` bytes at device address
+    ``addresses[k]`` (blocks of any buffers on GPU ``device_index``, every length at least
+    ``MIN_BYTES``), hashed on ``stream`` and waited for."""
     import cupy
 
-    n = len(starts)
+    n = len(addresses)
     if n == 0:
         return b""
-    device_index = buf.device.id
     with cupy.cuda.Device(device_index), stream:
         out = cupy.empty((n, 2), cupy.uint64)
         threads = 32 * _WARPS_PER_BLOCK
         _kernel(device_index)(((n + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,), (threads,),
-                              (buf, cupy.asarray(np.asarray(starts, np.uint64)),
+                              (cupy.asarray(np.asarray(addresses, np.uint64)),
                                cupy.asarray(np.asarray(lengths, np.uint64)), cupy.asarray(_table()), out,
                                np.int32(n)))
         host = out.get(stream=stream)
@@ -268,7 +267,8 @@ def usable(device_index: int) -> bool:
         want = b"".join(xxhash.xxh3_128_digest(host[s: s + n]) for s, n in spans)
         with cupy.cuda.Device(device_index):
             stream = cupy.cuda.Stream(non_blocking=True)
-            got = block_digests(cupy.asarray(host), starts, lengths, stream)
+            buf = cupy.asarray(host)
+            got = block_digests(device_index, buf.data.ptr + starts, lengths, stream)
         if got == want:
             return True
         reason = "its hashes differ from xxhash's"

@@ -98,6 +98,55 @@ def test_the_first_failing_job_in_order_is_raised(tmp_path, parallel):
         gpulazy.read_file(path, device="cpu", verify=True)
 
 
+def _stored(path, specs):
+    data = np.fromfile(path, np.uint8)
+    return [np.concatenate([data[r.offset: r.offset + r.nbytes] for r in spec.ranges]) for spec in specs]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pool", [False, True], ids=["serial", "pool"])
+def test_a_batch_reports_each_chunk_alone(tmp_path, monkeypatch, pool):
+    if pool:
+        monkeypatch.setattr(checksums, "_PARALLEL_BYTES", 0)
+        monkeypatch.setattr(checksums, "_JOB_BYTES", BLOCK)
+    path, data = _file(tmp_path)
+    write_manifest([path], block_size=BLOCK)
+    specs = list(gpulazy.from_files(path, dtype="u1", chunks=3 * BLOCK + 1001, device="cpu").chunk_index.specs.values())
+    bufs = _stored(path, specs)
+    assert checksums.verify_chunks(bufs, specs) == [None] * len(specs)
+    bufs[1][BLOCK] ^= 1    # in memory: a whole block of chunk 1 (file block 4)
+    bufs[4][-1] ^= 1       # the last byte of chunk 4: an edge block (file block 15)
+    errors = checksums.verify_chunks(bufs, specs)
+    assert [k for k, e in enumerate(errors) if e is not None] == [1, 4]
+    for k, block in ((1, 4), (4, 15)):
+        assert isinstance(errors[k], ChunkReadError) and f"(block {block})" in str(errors[k])
+        assert errors[k].path == path
+
+
+@pytest.mark.timeout(60)
+def test_settle_many_verifies_a_batch_once_and_each_chunk_raises_its_own(tmp_path, monkeypatch):
+    from gpulazy.io import get_backend
+    from gpulazy.read import start
+
+    path, data = _file(tmp_path)
+    write_manifest([path], block_size=BLOCK)
+    flip_byte(path, 7 * BLOCK + 5)  # chunk 2 (bytes 395218 ..) holds block 7 whole
+    specs = list(gpulazy.from_files(path, dtype="u1", chunks=3 * BLOCK + 1001, device="cpu").chunk_index.specs.values())
+    singles = []
+    real = checksums.verify_chunk
+    monkeypatch.setattr(checksums, "verify_chunk", lambda buf, s: singles.append(s) or real(buf, s))
+    reads = start(specs, get_backend("posix", "cpu"), verify=True, check=False)
+    checksums.VerifiedRead.settle_many(reads.futures)
+    chunk = 3 * BLOCK + 1001
+    for k in range(len(specs)):
+        if k == 2:
+            with pytest.raises(ChunkReadError, match=r"block 7\b"):
+                reads.chunk(k)
+        else:
+            np.testing.assert_array_equal(reads.chunk(k), np.fromfile(path, np.uint8)[k * chunk: (k + 1) * chunk])
+    assert singles == []  # every chunk was verified in the batch, none again alone
+
+
 @pytest.mark.timeout(60)
 def test_device_plan_covers_each_whole_block_once(tmp_path):
     """The kernel's work list, checked with xxhash on the host: every block's start and length
@@ -149,7 +198,8 @@ def test_kernel_equals_xxhash_on_the_gpu():
     lengths = rng.integers(241, 4 << 20, 500).astype(np.uint64)
     want = b"".join(xxhash.xxh3_128_digest(host[int(s): int(s) + int(n)]) for s, n in zip(starts, lengths))
     stream = cupy.cuda.Stream(non_blocking=True)
-    assert _xxh3_gpu.block_digests(cupy.asarray(host), starts, lengths, stream) == want
+    buf = cupy.asarray(host)
+    assert _xxh3_gpu.block_digests(0, buf.data.ptr + starts, lengths, stream) == want
 
 
 @pytest.mark.gpu

@@ -164,6 +164,19 @@ __device__ __forceinline__ u64 avalanche(u64 h) {
     return h ^ (h >> 32);
 }
 
+__device__ __forceinline__ u64 init_acc(int i) {     // a switch, not an array: no local memory
+    switch (i) {
+        case 0: return 0xC2B2AE3Dull;
+        case 1: return 0x9E3779B185EBCA87ull;
+        case 2: return 0xC2B2AE3D27D4EB4Full;
+        case 3: return 0x165667B19E3779F9ull;
+        case 4: return 0x85EBCA77C2B2AE63ull;
+        case 5: return 0x85EBCA77ull;
+        case 6: return 0x27D4EB2F165667C5ull;
+        default: return 0x9E3779B1ull;
+    }
+}
+
 extern "C" __global__ void xxh3_128(const u64* addresses, const u64* lengths, const u64* secret, u64* out,
                                     int n) {
     const int warp = (int)(((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
@@ -171,18 +184,26 @@ extern "C" __global__ void xxh3_128(const u64* addresses, const u64* lengths, co
     const int lane = threadIdx.x & 31, i = lane & 7, g = lane >> 3;
     const unsigned char* p = (const unsigned char*)addresses[warp];   // blocks of any buffers of the device
     const u64 len = lengths[warp];
-    const u64 init[8] = {0xC2B2AE3Dull, 0x9E3779B185EBCA87ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
-                         0x85EBCA77C2B2AE63ull, 0x85EBCA77ull, 0x27D4EB2F165667C5ull, 0x9E3779B1ull};
-    u64 acc = init[i];
+    u64 acc = init_acc(i);
     const u64 rounds = (len - 1) / 1024;
-    #pragma unroll 4   // the loads of later rounds do not wait for this round's scramble: issue them early
+    // A warp's rounds run in order (each scramble needs the last), so the next round's words are
+    // loaded before this round is summed: the memory latency overlaps the work, not adds to it.
+    u64 next[4];
+    #pragma unroll
+    for (int t = 0; t < 4; ++t) next[t] = rounds ? load64(p + (g + 4 * t) * 64 + i * 8) : 0;
     for (u64 r = 0; r < rounds; ++r) {
-        const unsigned char* q = p + r * 1024;
+        u64 now[4];
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) now[t] = next[t];
+        if (r + 1 < rounds) {
+            #pragma unroll
+            for (int t = 0; t < 4; ++t) next[t] = load64(p + (r + 1) * 1024 + (g + 4 * t) * 64 + i * 8);
+        }
         u64 prod = 0, data = 0;
         #pragma unroll
         for (int t = 0; t < 4; ++t) {
             const int s = g + 4 * t;
-            const u64 v = load64(q + s * 64 + i * 8);
+            const u64 v = now[t];
             const u64 k = v ^ secret[s + i];
             prod += (k & 0xFFFFFFFFull) * (k >> 32);
             data += v;

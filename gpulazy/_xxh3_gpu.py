@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["block_digests", "usable", "hash_on_host", "MIN_BYTES"]
+__all__ = ["MIN_BYTES", "block_digests", "hash_on_host", "usable"]
 
 MIN_BYTES = 241  # XXH3's long-input path starts here; shorter inputs hash otherwise
 _M = (1 << 64) - 1

@@ -40,8 +40,9 @@ file that holds many). A mismatch raises ``ChunkReadError`` naming the chunk (if
 the file and the offset.
 
 On a GPU the whole blocks a chunk holds are hashed where they landed, by one kernel per
-chunk (``gpulazy._xxh3_gpu``; only the 16-byte hashes come down), run on the calling
-thread's non-blocking gpulazy stream. The rest goes to the host: blocks a chunk only cuts,
+chunk, or per batch of chunks (``verify_chunks``, ``VerifiedRead.settle_many``), on the
+calling thread's non-blocking gpulazy stream (``gpulazy._xxh3_gpu``; only the 16-byte
+hashes come down). The rest goes to the host: blocks a chunk only cuts,
 a file's last block when it is 240 bytes or fewer, and everything where the kernel is not
 usable (it is checked against ``xxhash`` once per process); each job copies just its span
 down, into its thread's pinned buffer, on its thread's gpulazy stream.
@@ -820,14 +821,14 @@ def _pinned(nbytes: int) -> np.ndarray:
     return have[:nbytes]
 
 
-def _pread(path: str, offset: int, nbytes: int, why: str = "while verifying") -> bytes:
+def _pread(path: str, offset: int, nbytes: int) -> bytes:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
         data = os.pread(fd, nbytes, offset)
     finally:
         os.close(fd)
     if len(data) != nbytes:
-        raise ChunkReadError(f"short read of {path!r} at offset {offset} {why}: expected {nbytes} bytes, "
+        raise ChunkReadError(f"short read of {path!r} at offset {offset} while verifying: expected {nbytes} bytes, "
                              f"got {len(data)}", path=path, offset=offset, expected=nbytes, got=len(data))
     return data
 

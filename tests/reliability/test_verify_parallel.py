@@ -90,7 +90,7 @@ def _names_the_block(err, path, at, block):
 
 @pytest.mark.timeout(60)
 def test_the_first_failing_job_in_order_is_raised(tmp_path, parallel):
-    path, data = _file(tmp_path)
+    path, _ = _file(tmp_path)
     write_manifest([path], block_size=BLOCK)
     for at in (3 * BLOCK + 1, 15 * BLOCK + 2):
         flip_byte(path, at)
@@ -109,7 +109,7 @@ def test_a_batch_reports_each_chunk_alone(tmp_path, monkeypatch, pool):
     if pool:
         monkeypatch.setattr(checksums, "_PARALLEL_BYTES", 0)
         monkeypatch.setattr(checksums, "_JOB_BYTES", BLOCK)
-    path, data = _file(tmp_path)
+    path, _ = _file(tmp_path)
     write_manifest([path], block_size=BLOCK)
     specs = list(gpulazy.from_files(path, dtype="u1", chunks=3 * BLOCK + 1001, device="cpu").chunk_index.specs.values())
     bufs = _stored(path, specs)
@@ -128,7 +128,7 @@ def test_settle_many_verifies_a_batch_once_and_each_chunk_raises_its_own(tmp_pat
     from gpulazy.io import get_backend
     from gpulazy.read import start
 
-    path, data = _file(tmp_path)
+    path, _ = _file(tmp_path)
     write_manifest([path], block_size=BLOCK)
     flip_byte(path, 7 * BLOCK + 5)  # chunk 2 (bytes 395218 ..) holds block 7 whole
     specs = list(gpulazy.from_files(path, dtype="u1", chunks=3 * BLOCK + 1001, device="cpu").chunk_index.specs.values())
@@ -241,5 +241,5 @@ def test_kernel_compiles_for_hopper(tmp_path):
     src = tmp_path / "xxh3.cu"
     src.write_text(_xxh3_gpu._SOURCE)
     done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "xxh3.cubin"), str(src)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr

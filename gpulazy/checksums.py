@@ -16,12 +16,10 @@ XXH3 is not linear: two different blocks agree on their 128-bit hash with
 probability 2**-128, whatever their structure. (It is no cryptographic hash: it
 catches accidents and tools, not an adversary who crafts collisions.)
 
-On the host, hashing runs on every core: XXH3 hashes at about 12 GB/s on one core and releases the GIL,
-so a chunk's blocks are cut into jobs of a few MiB (``_JOB_BYTES``: the pool's ~20 µs per job
-is then noise; one job per 256 KiB block spent more time in the pool than in XXH3) that
-the verify pool (``_pool``, one thread per core, shared by every read) and the calling
-thread hash side by side. A chunk is verified as its read is awaited, while the reads
-submitted after it are still landing, so hashing overlaps reading.
+On the host, hashing runs on every core (``gpulazy._hashing``): a chunk's blocks are cut into
+jobs of a few MiB that the verify pool and the calling thread hash side by side. A chunk is
+verified as its read is awaited, while the reads submitted after it are still landing, so
+hashing overlaps reading.
 
 ``verify=True`` (``from_files``, ``read_file``) checks every chunk's stored bytes after they
 land and before they are decoded, on every read path (``verify_chunk``, called by the
@@ -63,11 +61,11 @@ import json
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from gpulazy._hashing import digests, host_span, read_into, run, run_all, scratch, spans
 from gpulazy.codecs._frames import crc32c
 from gpulazy.errors import ChunkReadError, LayoutError
 from gpulazy.spec import ByteRange, ChunkSpec
@@ -82,19 +80,12 @@ ALGORITHM = "xxh3_128"
 DIGEST = 16            # bytes of one block's hash
 DEFAULT_BLOCK = 256 << 10
 _SEARCH_DEPTH = 16     # folders above a file searched for a manifest
-_PARALLEL_BYTES = 8 << 20  # a check of more bytes than this hashes in the verify pool
-# Bytes one job hashes: at least _JOB_BYTES (the pool's cost per job, ~20 µs, against ~0.3 ms
-# of XXH3 for 4 MiB), at most _JOB_MAX (a GPU job's pinned buffer, one per thread).
-_JOB_BYTES, _JOB_MAX = 4 << 20, 16 << 20
 _READ_BYTES = 1 << 20  # a job hashing a file reads this much at a time (in the core's cache as it is hashed)
 # The blocks of layout metadata checked by ``from_files(verify=True)`` before anything is
 # read: up to this many bytes, or this fraction of the file, whichever is more.
 _METADATA_BYTES, _METADATA_FRACTION = 64 << 20, 0.25
 # Files of a store that say how to read its chunk files (Zarr's; some are dotfiles, listed all the same).
 _STORE_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
-# Per thread: in_pool (a verify worker), scratch (a host buffer files are read into), pinned
-# (a pinned host buffer device bytes are copied into).
-_local = threading.local()
 
 
 def block_hash(*parts: Any) -> bytes:
@@ -156,23 +147,14 @@ def _group(paths: Any) -> dict[str, list[str]]:
 
 def _file_entry(path: str, block_size: int) -> dict:
     st = os.stat(path)
-    spans = _spans(-(-st.st_size // block_size), block_size, st.st_size)
-    digests = _run([functools.partial(_hash_file_span, path, st.st_size, block_size, b0, b1) for b0, b1 in spans],
-                   st.st_size)
+    hashes = run([functools.partial(_hash_file_span, path, st.st_size, block_size, b0, b1)
+                  for b0, b1 in spans(-(-st.st_size // block_size), block_size, st.st_size)], st.st_size)
     now = os.stat(path)
     if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
         raise ChunkReadError(f"{path!r} changed while its checksums were computed; write them again when it is "
                              "no longer being written", path=path)
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "block_size": block_size,
-            ALGORITHM: b"".join(digests).hex()}
-
-
-def _spans(nblocks: int, block_size: int, nbytes: int, first: int = 0) -> list[tuple[int, int]]:
-    """Blocks ``first .. first + nblocks`` cut into ``(b0, b1)`` runs of about one job's bytes
-    each: enough jobs for every worker twice over, none under ``_JOB_BYTES`` (unless it is all)."""
-    per_job = min(max(_JOB_BYTES, nbytes // (2 * _workers())), _JOB_MAX)
-    step = max(1, per_job // block_size)
-    return [(b, min(b + step, first + nblocks)) for b in range(first, first + nblocks, step)]
+            ALGORITHM: b"".join(hashes).hex()}
 
 
 def _hash_file_span(path: str, size: int, block_size: int, b0: int, b1: int) -> bytes:
@@ -181,47 +163,20 @@ def _hash_file_span(path: str, size: int, block_size: int, b0: int, b1: int) -> 
     core's cache, and no fresh pages to fault in (a new 16 MiB buffer per job halved the rate)."""
     start, end = b0 * block_size, min(b1 * block_size, size)
     step = max(1, _READ_BYTES // block_size) * block_size
-    buf = _scratch(min(step, end - start))
+    buf = scratch(min(step, end - start))
     out = []
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         for at in range(start, end, step):
             n = min(step, end - at)
-            got = _read_into(fd, buf[:n], at)
+            got = read_into(fd, buf[:n], at)
             if got != n:
                 raise ChunkReadError(f"short read of {path!r} at offset {at} while its checksums were computed: "
                                      f"expected {n} bytes, got {got}", path=path, offset=at, expected=n, got=got)
-            out.append(_digests(buf[:n], block_size))
+            out.append(digests(buf[:n], block_size))
     finally:
         os.close(fd)
     return b"".join(out)
-
-
-def _read_into(fd: int, buf: np.ndarray, offset: int) -> int:
-    """Fill ``buf`` from ``offset`` of ``fd``; the bytes read (fewer only at the end of the file)."""
-    view, done = memoryview(buf), 0
-    while done < len(buf):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's host buffer for reading files, at least ``nbytes`` (grown, never shrunk)."""
-    have = getattr(_local, "scratch", None)
-    if have is None or have.nbytes < nbytes:
-        have = _local.scratch = np.empty(nbytes, np.uint8)
-    return have[:nbytes]
-
-
-def _digests(data: Any, block_size: int) -> bytes:
-    """The hash of every ``block_size`` bytes of ``data`` (1-D uint8, the last block may be shorter), joined."""
-    import xxhash
-
-    digest = xxhash.xxh3_128_digest  # one call per block: the same hash as block_hash, without a state object
-    return b"".join(digest(data[at: at + block_size]) for at in range(0, len(data), block_size))
 
 
 def _empty() -> dict:
@@ -428,8 +383,8 @@ def _check_file_blocks(path: str, entry: _Entry, blocks: Sequence[int]) -> None:
     bs = entry.block_size
     nbytes = sum(min(b1 * bs, entry.size) - b0 * bs for b0, b1 in runs)
     jobs = [functools.partial(_check_file_run, path, entry, b0, b1)
-            for r0, r1 in runs for b0, b1 in _spans(r1 - r0, bs, nbytes, r0)]
-    _run(jobs, nbytes)
+            for r0, r1 in runs for b0, b1 in spans(r1 - r0, bs, nbytes, r0)]
+    run(jobs, nbytes)
 
 
 def _check_file_run(path: str, entry: _Entry, b0: int, b1: int) -> None:
@@ -543,7 +498,7 @@ def verify_chunks(bufs: Sequence[Any], specs: Sequence[ChunkSpec]) -> list[BaseE
             jobs += mine
             owners += [plan.k] * len(mine)
             nbytes += n
-    for k, e in zip(owners, _run_all(jobs, nbytes)[1]):
+    for k, e in zip(owners, run_all(jobs, nbytes)[1]):
         if e is not None and errors[k] is None:  # a chunk's first failing job, in order
             errors[k] = e
     return errors
@@ -599,12 +554,12 @@ def _plan(k: int, flat: Any, spec: ChunkSpec, entries: dict[str, _Entry | None])
 
 def _host_jobs(plan: _Plan) -> tuple[list, int]:
     """The host's jobs for ``plan`` and the bytes they hash: its runs (those the GPU left) cut
-    into jobs of about ``_JOB_BYTES`` (``_check_run``), one job per edge block (``_check_edge``:
+    into jobs of about ``gpulazy._hashing.JOB_BYTES`` (``_check_run``), one job per edge block (``_check_edge``:
     the chunk's bytes of it from ``flat``, the rest from the file)."""
     jobs, nbytes = [], 0
     for path, entry, w0, w1, first in plan.runs:
         run_bytes = entry.bounds(w1 - 1)[1] - entry.bounds(w0)[0]
-        for b0, b1 in _spans(w1 - w0, entry.block_size, run_bytes, w0):
+        for b0, b1 in spans(w1 - w0, entry.block_size, run_bytes, w0):
             jobs.append(functools.partial(_check_run, plan.flat, plan.spec, path, entry, b0, b1,
                                           first + (b0 - w0) * entry.block_size))
         nbytes += run_bytes
@@ -684,7 +639,7 @@ def _whole_blocks(entry: _Entry, offset: int, nbytes: int) -> tuple[int, int]:
 def _check_run(flat: Any, spec: ChunkSpec, path: str, entry: _Entry, b0: int, b1: int, at: int) -> None:
     """Hash blocks ``b0 .. b1`` of ``path``, held whole in ``flat`` from ``at`` on."""
     start, end = entry.bounds(b0)[0], entry.bounds(b1 - 1)[1]
-    _compare(_digests(_host_span(flat, at, at + end - start), entry.block_size), path, entry, b0, b1, spec)
+    _compare(digests(host_span(flat, at, at + end - start), entry.block_size), path, entry, b0, b1, spec)
 
 
 def _compare(got: bytes, path: str, entry: _Entry, b0: int, b1: int, spec: ChunkSpec | None) -> None:
@@ -702,7 +657,7 @@ def _check_edge(flat: Any, spec: ChunkSpec, path: str, entry: _Entry, b: int,
     comes to the host."""
     lo = min(at for _, _, at in pieces)
     hi = max(at + h - l for l, h, at in pieces)
-    _check_block(path, entry, b, [(l, h, at - lo) for l, h, at in pieces], _host_span(flat, lo, hi), spec)
+    _check_block(path, entry, b, [(l, h, at - lo) for l, h, at in pieces], host_span(flat, lo, hi), spec)
 
 
 def _check_block(path: str, entry: _Entry, b: int, pieces: Sequence[tuple[int, int, int]], host: Any,
@@ -737,88 +692,6 @@ def _block_error(path: str, entry: _Entry, b: int, got: bytes, lo: int, hi: int,
                               "it was indexed with gpulazy index --checksum", path=path, offset=start,
                               expected=end - start)
     return _mismatch(spec, path, lo, hi - lo, why)
-
-
-# -- running the jobs -------------------------------------------------------------------
-
-def _workers() -> int:
-    """Threads that hash: one per core this process may run on."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-def _mark_worker() -> None:
-    _local.in_pool = True
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    """The verify pool, one per process, shared by every read (as ``codecs._run.host_pool`` is by
-    host decodes): a pool of its own, so that a hash job never queues behind a decode batch."""
-    return ThreadPoolExecutor(_workers(), thread_name_prefix="gpulazy-verify", initializer=_mark_worker)
-
-
-def _run(jobs: list, nbytes: int) -> list:
-    """``_run_all``, raising the first failing job's error (in order, not in time); the results."""
-    results, errors = _run_all(jobs, nbytes)
-    error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise error
-    return results
-
-
-def _run_all(jobs: list, nbytes: int) -> tuple[list, list[BaseException | None]]:
-    """Run ``jobs`` (callables, each about ``nbytes / len(jobs)`` bytes of hashing): ``(results,
-    errors)``, in order, ``None`` for what a job did not give.
-
-    Many bytes: the calling thread runs the first job while the verify pool runs the rest
-    (XXH3 and ``pread`` release the GIL); every job has finished when this returns. Few
-    bytes, or called from a verify worker (which must never wait on its own pool): one
-    after another, here.
-    """
-    inline = len(jobs) < 2 or nbytes < _PARALLEL_BYTES or getattr(_local, "in_pool", False)
-    futures = [] if inline else [_pool().submit(job) for job in jobs[1:]]
-    results: list = []
-    errors: list[BaseException | None] = []
-    for job in jobs if inline else jobs[:1]:
-        try:
-            results.append(job())
-            errors.append(None)
-        except BaseException as e:  # kept: the other jobs are still waited for
-            results.append(None)
-            errors.append(e)
-    for f in futures:
-        error = f.exception()
-        errors.append(error)
-        results.append(None if error is not None else f.result())
-    return results, errors
-
-
-def _host_span(flat: Any, lo: int, hi: int) -> np.ndarray:
-    """Bytes ``lo .. hi`` of ``flat`` on the host: a view of a NumPy buffer; a device buffer's
-    span copied into this thread's pinned buffer (valid until this thread's next copy)."""
-    if isinstance(flat, np.ndarray):
-        return flat[lo:hi]
-    from gpulazy.device import Device, gpulazy_stream
-
-    dev = Device("cuda", flat.device.id)
-    host = _pinned(hi - lo)
-    with dev.activate():
-        # This thread's non-blocking stream: copies of several jobs overlap, and none waits for
-        # (or holds up) the legacy default stream. The read has landed: its future returned.
-        stream = gpulazy_stream(dev)
-        flat[lo:hi].get(stream=stream, out=host)
-        stream.synchronize()  # the host hashes it next
-    return host
-
-
-def _pinned(nbytes: int) -> np.ndarray:
-    """This thread's pinned host buffer, at least ``nbytes`` (grown, never shrunk: one job's span)."""
-    have = getattr(_local, "pinned", None)
-    if have is None or have.nbytes < nbytes:
-        import cupyx
-
-        have = _local.pinned = cupyx.empty_pinned(max(nbytes, _JOB_BYTES), np.uint8)
-    return have[:nbytes]
 
 
 def _pread(path: str, offset: int, nbytes: int) -> bytes:

@@ -15,7 +15,7 @@ import pytest
 import xxhash
 
 import gpulazy
-from gpulazy import _xxh3_gpu, checksums
+from gpulazy import _hashing, _xxh3_gpu, checksums
 from gpulazy.checksums import block_hash, manifest_entry, write_manifest
 from gpulazy.errors import ChunkReadError
 from gpulazy.testing import flip_byte
@@ -27,9 +27,9 @@ SIZE = 20 * BLOCK + 12345  # a short last block
 @pytest.fixture
 def parallel(monkeypatch):
     """Every check of more than one job goes to the pool, in jobs of one or two blocks."""
-    monkeypatch.setattr(checksums, "_PARALLEL_BYTES", 0)
-    monkeypatch.setattr(checksums, "_JOB_BYTES", BLOCK)
-    monkeypatch.setattr(checksums, "_JOB_MAX", 2 * BLOCK)
+    monkeypatch.setattr(_hashing, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(_hashing, "JOB_BYTES", BLOCK)
+    monkeypatch.setattr(_hashing, "JOB_MAX", 2 * BLOCK)
 
 
 def _file(tmp_path, size=SIZE):
@@ -107,8 +107,8 @@ def _stored(path, specs):
 @pytest.mark.parametrize("pool", [False, True], ids=["serial", "pool"])
 def test_a_batch_reports_each_chunk_alone(tmp_path, monkeypatch, pool):
     if pool:
-        monkeypatch.setattr(checksums, "_PARALLEL_BYTES", 0)
-        monkeypatch.setattr(checksums, "_JOB_BYTES", BLOCK)
+        monkeypatch.setattr(_hashing, "PARALLEL_BYTES", 0)
+        monkeypatch.setattr(_hashing, "JOB_BYTES", BLOCK)
     path, _ = _file(tmp_path)
     write_manifest([path], block_size=BLOCK)
     specs = list(gpulazy.from_files(path, dtype="u1", chunks=3 * BLOCK + 1001, device="cpu").chunk_index.specs.values())

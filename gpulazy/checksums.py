@@ -14,9 +14,12 @@ length, therefore gives the CRC32C the manifest holds, and any CRC variant (anot
 initial value, a salt, the length appended) stays affine and keeps such a constant.
 XXH3 is not linear: two different blocks agree on their 128-bit hash with
 probability 2**-128, whatever their structure. (It is no cryptographic hash: it
-catches accidents and tools, not an adversary who crafts collisions.) XXH3 hashes at
-about 15 GB/s on one core and releases the GIL, so a chunk's blocks hash in parallel
-threads.
+catches accidents and tools, not an adversary who crafts collisions.)
+
+On the host, hashing runs on every core (``gpulazy._hashing``): a chunk's blocks are cut into
+jobs of a few MiB that the verify pool and the calling thread hash side by side. A chunk is
+verified as its read is awaited, while the reads submitted after it are still landing, so
+hashing overlaps reading.
 
 ``verify=True`` (``from_files``, ``read_file``) checks every chunk's stored bytes after they
 land and before they are decoded, on every read path (``verify_chunk``, called by the
@@ -34,8 +37,13 @@ skipped, with a warning, where they are most of a large file (one dataset of an 
 file that holds many). A mismatch raises ``ChunkReadError`` naming the chunk (if any),
 the file and the offset.
 
-On a GPU the hash runs on the host: the chunk's stored bytes are copied down, then
-hashed.
+On a GPU the whole blocks a chunk holds are hashed where they landed, by one kernel per
+chunk, or per batch of chunks (``verify_chunks``, ``VerifiedRead.settle_many``), on the
+calling thread's non-blocking gpulazy stream (``gpulazy._xxh3_gpu``; only the 16-byte
+hashes come down). The rest goes to the host: blocks a chunk only cuts,
+a file's last block when it is 240 bytes or fewer, and everything where the kernel is not
+usable (it is checked against ``xxhash`` once per process); each job copies just its span
+down, into its thread's pinned buffer, on its thread's gpulazy stream.
 
 >>> import numpy as np, os, tempfile, gpulazy
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "a.raw")
@@ -48,15 +56,16 @@ True
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from gpulazy._hashing import digests, host_span, read_into, run, run_all, scratch, spans
 from gpulazy.codecs._frames import crc32c
 from gpulazy.errors import ChunkReadError, LayoutError
 from gpulazy.spec import ByteRange, ChunkSpec
@@ -71,7 +80,7 @@ ALGORITHM = "xxh3_128"
 DIGEST = 16            # bytes of one block's hash
 DEFAULT_BLOCK = 256 << 10
 _SEARCH_DEPTH = 16     # folders above a file searched for a manifest
-_PARALLEL_BYTES = 8 << 20  # a chunk with more bytes than this hashes its blocks in threads
+_READ_BYTES = 1 << 20  # a job hashing a file reads this much at a time (in the core's cache as it is hashed)
 # The blocks of layout metadata checked by ``from_files(verify=True)`` before anything is
 # read: up to this many bytes, or this fraction of the file, whichever is more.
 _METADATA_BYTES, _METADATA_FRACTION = 64 << 20, 0.25
@@ -138,16 +147,36 @@ def _group(paths: Any) -> dict[str, list[str]]:
 
 def _file_entry(path: str, block_size: int) -> dict:
     st = os.stat(path)
-    digests = bytearray()
-    buf = np.empty(block_size, np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        for i in range(-(-st.st_size // block_size)):
-            n = f.readinto(buf)
-            if n != min(block_size, st.st_size - i * block_size):
-                raise ChunkReadError(f"{path!r} changed size while its checksums were computed", path=path,
-                                     offset=i * block_size)
-            digests += block_hash(buf[:n])
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "block_size": block_size, ALGORITHM: digests.hex()}
+    hashes = run([functools.partial(_hash_file_span, path, st.st_size, block_size, b0, b1)
+                  for b0, b1 in spans(-(-st.st_size // block_size), block_size, st.st_size)], st.st_size)
+    now = os.stat(path)
+    if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        raise ChunkReadError(f"{path!r} changed while its checksums were computed; write them again when it is "
+                             "no longer being written", path=path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "block_size": block_size,
+            ALGORITHM: b"".join(hashes).hex()}
+
+
+def _hash_file_span(path: str, size: int, block_size: int, b0: int, b1: int) -> bytes:
+    """The hashes of blocks ``b0 .. b1`` of ``path`` (``size`` bytes), read about ``_READ_BYTES``
+    of whole blocks at a time into this thread's scratch buffer: hashed while still in the
+    core's cache, and no fresh pages to fault in (a new 16 MiB buffer per job halved the rate)."""
+    start, end = b0 * block_size, min(b1 * block_size, size)
+    step = max(1, _READ_BYTES // block_size) * block_size
+    buf = scratch(min(step, end - start))
+    out = []
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for at in range(start, end, step):
+            n = min(step, end - at)
+            got = read_into(fd, buf[:n], at)
+            if got != n:
+                raise ChunkReadError(f"short read of {path!r} at offset {at} while its checksums were computed: "
+                                     f"expected {n} bytes, got {got}", path=path, offset=at, expected=n, got=got)
+            out.append(digests(buf[:n], block_size))
+    finally:
+        os.close(fd)
+    return b"".join(out)
 
 
 def _empty() -> dict:
@@ -322,7 +351,7 @@ def _verify_metadata_blocks(path: str, entry: _Entry, covered: list[tuple[int, i
                       "whatever else the file holds); only the chunks' own bytes are verified, not the metadata "
                       "that locates them", stacklevel=3)
         return
-    _run([lambda b=b: _check_block(path, entry, b, [], None, None) for b in blocks], nbytes)
+    _check_file_blocks(path, entry, blocks)
 
 
 def _verify_store_metadata(entries: dict[str, _Entry]) -> None:
@@ -338,9 +367,29 @@ def _verify_store_metadata(entries: dict[str, _Entry]) -> None:
                 meta = os.path.join(folder, name)
                 listed = _listed(meta, required=False) if os.path.isfile(meta) else None
                 if listed is not None:  # a manifest written for chunk files only lists none
-                    _run([lambda b=b, m=meta, e=listed: _check_block(m, e, b, [], None, None)
-                          for b in range(listed.nblocks)], listed.size)
+                    _check_file_blocks(meta, listed, range(listed.nblocks))
             folder = os.path.dirname(folder)
+
+
+def _check_file_blocks(path: str, entry: _Entry, blocks: Sequence[int]) -> None:
+    """Hash ``blocks`` (sorted) of ``path`` as the file holds them, on every core: runs of
+    consecutive blocks, a job's bytes each, read in one ``pread`` per job."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    bs = entry.block_size
+    nbytes = sum(min(b1 * bs, entry.size) - b0 * bs for b0, b1 in runs)
+    jobs = [functools.partial(_check_file_run, path, entry, b0, b1)
+            for r0, r1 in runs for b0, b1 in spans(r1 - r0, bs, nbytes, r0)]
+    run(jobs, nbytes)
+
+
+def _check_file_run(path: str, entry: _Entry, b0: int, b1: int) -> None:
+    got = _hash_file_span(path, entry.size, entry.block_size, b0, b1)
+    _compare(got, path, entry, b0, b1, None)
 
 
 def _uncovered_blocks(entry: _Entry, covered: list[tuple[int, int]]) -> list[int]:
@@ -363,7 +412,8 @@ class VerifiedRead:
 
     Every read path with ``verify=True`` gets this future from ``gpulazy.io.submit_chunk``
     or ``start_chunks``, so the bytes are checked after they land and before anything
-    decodes them, once, whichever thread asks first.
+    decodes them, once, whichever thread asks first. ``settle_many`` checks the chunks of
+    a batch together (on a GPU, one kernel for all of them).
     """
 
     __slots__ = ("future", "buf", "spec", "_lock", "_outcome")
@@ -387,9 +437,28 @@ class VerifiedRead:
                     self._outcome = e
                     raise
                 self._outcome = n
-        if isinstance(self._outcome, Exception):
+        if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome
+
+    @staticmethod
+    def settle_many(reads: Sequence[VerifiedRead]) -> None:
+        """Wait for each of ``reads`` and verify those that landed together (``verify_chunks``);
+        their ``result()`` then returns (or raises its mismatch) at once. A read that failed
+        is left to raise its error in its own ``result()``."""
+        landed, counts = [], []
+        for r in reads:
+            if r._outcome is _PENDING:
+                try:
+                    counts.append(r.future.result())
+                except BaseException:
+                    continue
+                landed.append(r)
+        errors = verify_chunks([r.buf for r in landed], [r.spec for r in landed])
+        for r, n, error in zip(landed, counts, errors):
+            with r._lock:
+                if r._outcome is _PENDING:  # (a thread in its result() may have verified it meanwhile)
+                    r._outcome = error or n
 
 
 def verify_chunk(buf: Any, spec: ChunkSpec) -> None:
@@ -400,22 +469,70 @@ def verify_chunk(buf: Any, spec: ChunkSpec) -> None:
     Raises ``ChunkReadError`` naming the chunk, the file and the offset on a mismatch,
     ``LayoutError`` when nothing is known to check against.
     """
-    step = _crc_step(spec)
+    error = verify_chunks([buf], [spec])[0]
+    if error is not None:
+        raise error
+
+
+def verify_chunks(bufs: Sequence[Any], specs: Sequence[ChunkSpec]) -> list[BaseException | None]:
+    """``verify_chunk`` for many chunks at once; each chunk's error (``None``: verified), not raised.
+
+    Every block of every chunk is hashed in one go: on a GPU, one kernel for the whole
+    blocks of all the chunks; on the host, one set of jobs on every core.
+    """
+    errors: list[BaseException | None] = [None] * len(specs)
+    plans = []
+    for k, (buf, spec) in enumerate(zip(bufs, specs)):
+        try:
+            entries = _entries_to_check(spec)
+            if entries:
+                plans.append(_plan(k, buf.reshape(-1).view(np.uint8), spec, entries))
+        except Exception as e:
+            errors[k] = e
+    for k, e in _check_on_device([p for p in plans if not isinstance(p.flat, np.ndarray)]):
+        errors[k] = e
+    jobs, owners, nbytes = [], [], 0
+    for plan in plans:
+        if errors[plan.k] is None:
+            mine, n = _host_jobs(plan)
+            jobs += mine
+            owners += [plan.k] * len(mine)
+            nbytes += n
+    for k, e in zip(owners, run_all(jobs, nbytes)[1]):
+        if e is not None and errors[k] is None:  # a chunk's first failing job, in order
+            errors[k] = e
+    return errors
+
+
+def _entries_to_check(spec: ChunkSpec) -> dict[str, _Entry | None]:
+    """The manifest entry of each file ``spec`` reads; ``{}`` when none is listed and the chunk
+    carries Zarr's crc32c (its codec checks it on every read, verify or not)."""
     entries = {r.path: manifest_entry(r.path) for r in spec.ranges}
-    if step is None:
+    if _crc_step(spec) is None:
         for path, entry in entries.items():
             if entry is None:
                 raise LayoutError(f"verify=True but no checksums are known for {path!r}: write them with "
                                   "gpulazy index --checksum")
-    if any(e is not None for e in entries.values()):
-        _verify_blocks(_on_host(buf), spec, entries)
-    # A crc32c-coded chunk (``step``) is checked by its codec on every read, verify or not.
+    return entries if any(e is not None for e in entries.values()) else {}
 
 
-def _verify_blocks(host: np.ndarray, spec: ChunkSpec, entries: dict[str, _Entry | None]) -> None:
-    """Hash each manifest block the chunk's ranges touch, once: the chunk's own bytes where
-    it read them, the rest of the block from the file."""
-    pieces: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (path, block) -> (lo, hi, at in host)
+class _Plan:
+    """What checking one chunk takes: ``runs`` of blocks its ranges hold whole, ``(path, entry,
+    b0, b1, at in flat of block b0)``, and ``edges``, the blocks they only cut, ``(path, block)
+    -> [(lo, hi, at in flat)]``."""
+
+    __slots__ = ("k", "flat", "spec", "entries", "runs", "edges")
+
+    def __init__(self, k: int, flat: Any, spec: ChunkSpec, entries: dict[str, _Entry | None]):
+        self.k, self.flat, self.spec, self.entries = k, flat, spec, entries
+        self.runs: list[tuple[str, _Entry, int, int, int]] = []
+        self.edges: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+
+
+def _plan(k: int, flat: Any, spec: ChunkSpec, entries: dict[str, _Entry | None]) -> _Plan:
+    """The blocks chunk ``spec`` touches, each once. ``flat`` (1-D uint8, host or device) holds
+    the ranges' bytes one after another."""
+    plan = _Plan(k, flat, spec, entries)
     at = 0
     for r in spec.ranges:
         entry = entries[r.path]
@@ -423,17 +540,124 @@ def _verify_blocks(host: np.ndarray, spec: ChunkSpec, entries: dict[str, _Entry 
             if r.offset + r.nbytes > entry.size:
                 raise _mismatch(spec, r.path, r.offset, r.nbytes, f"the manifest {entry.manifest!r} covers only "
                                 f"{entry.size} bytes of it")
+            whole0, whole1 = _whole_blocks(entry, r.offset, r.nbytes)
+            if whole1 > whole0:
+                plan.runs.append((r.path, entry, whole0, whole1, at + whole0 * entry.block_size - r.offset))
             for b in entry.blocks(r.offset, r.nbytes):
-                start, end = entry.bounds(b)
-                lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
-                pieces.setdefault((r.path, b), []).append((lo, hi, at + lo - r.offset))
+                if not whole0 <= b < whole1:
+                    start, end = entry.bounds(b)
+                    lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
+                    plan.edges.setdefault((r.path, b), []).append((lo, hi, at + lo - r.offset))
         at += r.nbytes
-    jobs = []
-    for (path, b), ps in pieces.items():
+    return plan
+
+
+def _host_jobs(plan: _Plan) -> tuple[list, int]:
+    """The host's jobs for ``plan`` and the bytes they hash: its runs (those the GPU left) cut
+    into jobs of about ``gpulazy._hashing.JOB_BYTES`` (``_check_run``), one job per edge block (``_check_edge``:
+    the chunk's bytes of it from ``flat``, the rest from the file)."""
+    jobs, nbytes = [], 0
+    for path, entry, w0, w1, first in plan.runs:
+        run_bytes = entry.bounds(w1 - 1)[1] - entry.bounds(w0)[0]
+        for b0, b1 in spans(w1 - w0, entry.block_size, run_bytes, w0):
+            jobs.append(functools.partial(_check_run, plan.flat, plan.spec, path, entry, b0, b1,
+                                          first + (b0 - w0) * entry.block_size))
+        nbytes += run_bytes
+    for (path, b), ps in plan.edges.items():
         ps.sort()
         groups = [ps] if all(p[1] <= q[0] for p, q in zip(ps, ps[1:])) else [[p] for p in ps]  # overlaps: each alone
-        jobs += [lambda path=path, b=b, g=g: _check_block(path, entries[path], b, g, host, spec) for g in groups]
-    _run(jobs, sum(hi - lo for ps in pieces.values() for lo, hi, _ in ps))
+        jobs += [functools.partial(_check_edge, plan.flat, plan.spec, path, plan.entries[path], b, g) for g in groups]
+        nbytes += sum(hi - lo for lo, hi, _ in ps)
+    return jobs, nbytes
+
+
+def _check_on_device(plans: list[_Plan]) -> list[tuple[int, BaseException]]:
+    """Hash the whole blocks of ``plans`` (chunks in CuPy buffers) where they landed, one kernel
+    per device for all of them (``gpulazy._xxh3_gpu``), and compare the 16-byte hashes that
+    come down; each plan keeps the runs left to the host (``_device_plan``: all of them where
+    the kernel is not usable). Returns ``(chunk, error)`` for each chunk with a mismatch."""
+    from gpulazy import _xxh3_gpu
+
+    errors: list[tuple[int, BaseException]] = []
+    for device_index in sorted({p.flat.device.id for p in plans}):
+        mine = [p for p in plans if p.flat.device.id == device_index and p.runs]
+        if not mine or not _xxh3_gpu.usable(device_index):
+            continue
+        from gpulazy.device import Device, gpulazy_stream
+
+        work, ptrs, lengths = [], [], []
+        for plan in mine:
+            on_device, starts, n, plan.runs = _device_plan(plan.runs, _xxh3_gpu.MIN_BYTES)
+            work.append((plan, on_device))
+            ptrs.append(plan.flat.data.ptr + starts.astype(np.uint64))
+            lengths.append(n)
+        got = _xxh3_gpu.block_digests(device_index, np.concatenate(ptrs), np.concatenate(lengths),
+                                      gpulazy_stream(Device("cuda", device_index)))
+        at = 0
+        for plan, on_device in work:
+            for path, entry, b0, b1 in on_device:
+                try:
+                    _compare(got[at * DIGEST: (at + b1 - b0) * DIGEST], path, entry, b0, b1, plan.spec)
+                except ChunkReadError as e:
+                    if all(k != plan.k for k, _ in errors):
+                        errors.append((plan.k, e))
+                at += b1 - b0
+    return errors
+
+
+def _device_plan(runs: list, min_bytes: int) -> tuple[list, np.ndarray, np.ndarray, list]:
+    """``(on_device, starts, lengths, left)``: the blocks of ``runs`` (``(path, entry, b0, b1, at)``)
+    the kernel hashes, as ``(path, entry, b0, b1)`` with each block's start in the buffer and
+    length, in order; and the runs left to the host: blocks shorter than ``min_bytes`` (a
+    file's last block; every block of a manifest of tiny blocks)."""
+    on_device, left, starts, lengths = [], [], [], []
+    for path, entry, b0, b1, at in runs:
+        if entry.block_size < min_bytes:
+            left.append((path, entry, b0, b1, at))
+            continue
+        last = entry.bounds(b1 - 1)
+        if last[1] - last[0] < min_bytes:
+            left.append((path, entry, b1 - 1, b1, at + (b1 - 1 - b0) * entry.block_size))
+            b1 -= 1
+        if b1 > b0:
+            offsets = np.arange(b1 - b0, dtype=np.int64) * entry.block_size
+            starts.append(at + offsets)
+            lengths.append(np.minimum(entry.block_size, entry.size - b0 * entry.block_size - offsets))
+            on_device.append((path, entry, b0, b1))
+    empty = np.zeros(0, np.int64)
+    return on_device, np.concatenate(starts or [empty]), np.concatenate(lengths or [empty]), left
+
+
+def _whole_blocks(entry: _Entry, offset: int, nbytes: int) -> tuple[int, int]:
+    """``(b0, b1)``: the blocks that bytes ``offset .. offset + nbytes`` hold whole (``b0 == b1``: none)."""
+    b0 = -(-offset // entry.block_size)
+    end = offset + nbytes
+    b1 = entry.nblocks if end == entry.size else end // entry.block_size  # the file's last block may be shorter
+    return b0, max(b0, b1)
+
+
+def _check_run(flat: Any, spec: ChunkSpec, path: str, entry: _Entry, b0: int, b1: int, at: int) -> None:
+    """Hash blocks ``b0 .. b1`` of ``path``, held whole in ``flat`` from ``at`` on."""
+    start, end = entry.bounds(b0)[0], entry.bounds(b1 - 1)[1]
+    _compare(digests(host_span(flat, at, at + end - start), entry.block_size), path, entry, b0, b1, spec)
+
+
+def _compare(got: bytes, path: str, entry: _Entry, b0: int, b1: int, spec: ChunkSpec | None) -> None:
+    """Raise ``_block_error`` for the first of blocks ``b0 .. b1`` whose hash (in ``got``, joined) differs."""
+    want = entry._blob[b0 * DIGEST: b1 * DIGEST]
+    if got != want:
+        i = next(i for i in range(b1 - b0) if got[i * DIGEST: (i + 1) * DIGEST] != want[i * DIGEST: (i + 1) * DIGEST])
+        lo, hi = entry.bounds(b0 + i)
+        raise _block_error(path, entry, b0 + i, got[i * DIGEST: (i + 1) * DIGEST], lo, hi, spec)
+
+
+def _check_edge(flat: Any, spec: ChunkSpec, path: str, entry: _Entry, b: int,
+                pieces: Sequence[tuple[int, int, int]]) -> None:
+    """``_check_block`` for a block the chunk holds only pieces of: just those pieces' span of ``flat``
+    comes to the host."""
+    lo = min(at for _, _, at in pieces)
+    hi = max(at + h - l for l, h, at in pieces)
+    _check_block(path, entry, b, [(l, h, at - lo) for l, h, at in pieces], host_span(flat, lo, hi), spec)
 
 
 def _check_block(path: str, entry: _Entry, b: int, pieces: Sequence[tuple[int, int, int]], host: Any,
@@ -449,44 +673,25 @@ def _check_block(path: str, entry: _Entry, b: int, pieces: Sequence[tuple[int, i
         cursor = hi
     if cursor < end:
         parts.append(_pread(path, cursor, end - cursor))
-    got, want = block_hash(*parts), entry.digest(b)
-    if got != want:
+    got = block_hash(*parts)
+    if got != entry.digest(b):
         lo, hi = (pieces[0][0], pieces[-1][1]) if pieces else (start, end)
-        why = (f"{ALGORITHM} {got.hex()} of bytes {start}..{end} (block {b}) differs from {want.hex()} in "
-               f"{entry.manifest!r}")
-        if spec is None:
-            raise ChunkReadError(f"{path!r} failed verification at offset {start} ({end - start} bytes of the metadata "
-                                 f"that describes or locates chunks): {why}; the file is corrupt or was changed since "
-                                 "it was indexed with gpulazy index --checksum", path=path, offset=start,
-                                 expected=end - start)
-        raise _mismatch(spec, path, lo, hi - lo, why)
+        raise _block_error(path, entry, b, got, lo, hi, spec)
 
 
-def _run(jobs: list, nbytes: int) -> None:
-    """Run the block checks ``jobs``: in threads when there are many bytes (XXH3 releases the GIL).
-
-    The threads are this call's own (starting them costs ~0.1 ms, hashing 8 MiB ~0.5 ms):
-    nothing is left running between reads."""
-    if len(jobs) < 2 or nbytes < _PARALLEL_BYTES:
-        for job in jobs:
-            job()
-        return
-    with ThreadPoolExecutor(min(len(jobs), 8, os.cpu_count() or 2), thread_name_prefix="gpulazy-verify") as pool:
-        futures = [pool.submit(job) for job in jobs]
-    first = next((f.exception() for f in futures if f.exception() is not None), None)
-    if first is not None:
-        raise first
-
-
-def _on_host(buf: Any) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    import cupyx
-
-    flat = buf.reshape(-1).view("uint8")
-    host = cupyx.empty_pinned(flat.shape, np.uint8)  # pinned: a faster copy than to pageable memory
-    flat.get(out=host)
-    return host
+def _block_error(path: str, entry: _Entry, b: int, got: bytes, lo: int, hi: int, spec: ChunkSpec | None
+                 ) -> ChunkReadError:
+    """The mismatch of block ``b`` of ``path``, whose bytes ``lo .. hi`` the chunk ``spec`` read
+    (``None``: bytes no chunk reads, the layout's metadata)."""
+    start, end = entry.bounds(b)
+    why = (f"{ALGORITHM} {got.hex()} of bytes {start}..{end} (block {b}) differs from {entry.digest(b).hex()} in "
+           f"{entry.manifest!r}")
+    if spec is None:
+        return ChunkReadError(f"{path!r} failed verification at offset {start} ({end - start} bytes of the metadata "
+                              f"that describes or locates chunks): {why}; the file is corrupt or was changed since "
+                              "it was indexed with gpulazy index --checksum", path=path, offset=start,
+                              expected=end - start)
+    return _mismatch(spec, path, lo, hi - lo, why)
 
 
 def _pread(path: str, offset: int, nbytes: int) -> bytes:

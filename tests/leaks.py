@@ -19,6 +19,7 @@ LONG_LIVED = (
     "gpulazy-posix-",          # a backend's read pool: one per (backend, device, settings), shared
     "gpulazy-cache-default-",  # the default cache's prefetch workers (daemons, reused)
     "gpulazy-host-decode",     # codecs._run.host_pool: the host decode pool, one per process
+    "gpulazy-verify",          # _hashing._pool: verify=True's hashing pool, one per process
     "ThreadPoolExecutor-",     # dask's threaded scheduler pool and other default executors
     "asyncio_",                # distributed's offload executor
     "Dask-Offload",

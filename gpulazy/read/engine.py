@@ -159,6 +159,7 @@ class Reads:
         # Lock held. Wait for the reads of ``idx``, then decode and place them on gpulazy's stream.
         from gpulazy.read.decode import assemble_into, place_plain
 
+        _verify_together([self.futures[i] for i in idx])
         for i in idx:
             try:
                 self.futures[i].result()
@@ -208,6 +209,16 @@ class PendingChunk:
 
     def result(self) -> Any:
         return self.reads.chunk(self.i)
+
+
+def _verify_together(futures: list[Any]) -> None:
+    """Verified reads of one submission checked together: one XXH3 kernel (or one set of host
+    jobs) for all their blocks instead of one per chunk (``checksums.VerifiedRead.settle_many``)."""
+    from gpulazy.checksums import VerifiedRead
+
+    batch = [f for f in futures if isinstance(f, VerifiedRead)]
+    if len(batch) > 1:
+        VerifiedRead.settle_many(batch)
 
 
 def _verified(future: Any, buf: Any, spec: ChunkSpec) -> Any:

@@ -604,3 +604,16 @@ def test_corrupt_header_is_a_layout_error_or_a_correct_read(tmp_path, fuzz_sourc
                 assert got.shape == tuple(tif.series[0].shape)
             return
     np.testing.assert_array_equal(got, ref)
+
+
+def test_a_strip_starting_inside_another_is_a_layout_error_naming_the_file(tmp_path):
+    p = tmp_path / "s.tif"
+    tifffile.imwrite(p, _random((3, 20, 12), "uint16", 1), photometric="minisblack", rowsperstrip=7)
+    with tifffile.TiffFile(p) as tif:  # page 2's second strip offset, pointed into its first strip
+        tag = tif.pages[2].tags["StripOffsets"]
+        first, where = tag.value[0], tag.valueoffset + 4
+    blob = bytearray(p.read_bytes())
+    blob[where:where + 4] = int(first + 48).to_bytes(4, "little")
+    p.write_bytes(bytes(blob))
+    with pytest.raises(LayoutError, match="s.tif.*page 2.*starts inside piece 0"):
+        _open(str(p), layout="tiff")

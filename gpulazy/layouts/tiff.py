@@ -475,6 +475,7 @@ def _check_pieces(path: str, size: int, offsets: np.ndarray, counts: np.ndarray,
         what = "has no bytes but an offset" if cnt == 0 else f"lies outside the file ({size} bytes)"
         raise LayoutError(f"TIFF {path!r} page {page} piece {seg} ({cnt} bytes at offset {off}) {what}; the file "
                           "is truncated or its header is corrupt")
+    _check_overlap(path, offsets, counts, present)
     need = _raw_sizes(g, dtype)
     if codec is None:
         short = present & (counts < need[None, :])
@@ -490,6 +491,26 @@ def _check_pieces(path: str, size: int, offsets: np.ndarray, counts: np.ndarray,
         raise LayoutError(f"TIFF {path!r} page {page} piece {seg}: {counts[page, seg]} stored bytes cannot decode "
                           f"to the {need[seg]} its shape needs ({codec[0].id} expands at most ~{ratio}x); the "
                           "header is corrupt")
+
+
+def _check_overlap(path: str, offsets: np.ndarray, counts: np.ndarray, present: np.ndarray) -> None:
+    """No two pieces of a page share some bytes but not all (writers that store identical tiles
+    once point them at the same bytes; a piece starting inside another is a corrupt offset, and
+    readers then disagree: tifffile reads a shaped series as one block and ignores it)."""
+    if offsets.shape[1] < 2:
+        return
+    key = np.where(present, offsets, np.iinfo(np.int64).max)
+    order = np.argsort(key, axis=1, kind="stable")
+    o, c = np.take_along_axis(offsets, order, 1), np.take_along_axis(counts, order, 1)
+    both = np.take_along_axis(present, order, 1)
+    same = (o[:, 1:] == o[:, :-1]) & (c[:, 1:] == c[:, :-1])
+    clash = both[:, 1:] & both[:, :-1] & (o[:, 1:] < o[:, :-1] + c[:, :-1]) & ~same
+    if np.any(clash):
+        page, k = np.argwhere(clash)[0].tolist()
+        a, b = order[page, k], order[page, k + 1]
+        raise LayoutError(f"TIFF {path!r} page {page}: piece {b} (bytes {o[page, k + 1]}..{o[page, k + 1] + c[page, k + 1]}) "
+                          f"starts inside piece {a} (bytes {o[page, k]}..{o[page, k] + c[page, k]}); the header is "
+                          "corrupt")
 
 
 def _raw_sizes(g: _Geometry, dtype: np.dtype) -> np.ndarray:

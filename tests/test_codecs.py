@@ -618,20 +618,22 @@ def test_gpu_kernels_compile():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from gpulazy.codecs import filters, nvcomp
 
-    from gpulazy.codecs import bitshuffle, blosc
+    from gpulazy import _xxh3_gpu
+    from gpulazy.codecs import _unshuffle, bitshuffle, blosc, place
 
     sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, nvcomp._LZ4_WALK, filters._DELTA_SEQ.format(t="double"),
-               blosc._WALK, blosc._ASSEMBLE, bitshuffle._WALK,
+               blosc._WALK, _unshuffle._KERNEL, bitshuffle._WALK,
                filters._DELTA_INT.format(ti="short", u="unsigned short", acc="unsigned int"),
                filters._DELTA_INT.format(ti="int", u="unsigned long long", acc="unsigned long long")]
-    for src in sources:
+    sources += [place._source(w) for w in (1, 2, 4, 8, 16)]
+    for src, entry in [(s, ".entry gl_") for s in sources] + [(_xxh3_gpu._SOURCE, ".entry xxh3_128")]:
         prog = nvrtc.createProgram(src, "k.cu", [], [])
         try:
             nvrtc.compileProgram(prog, ["-arch=compute_90"])
         except Exception:
             pytest.fail(nvrtc.getProgramLog(prog))
         ptx = nvrtc.getPTX(prog)
-        assert ".entry gl_" in (ptx.decode() if isinstance(ptx, bytes) else ptx)
+        assert entry in (ptx.decode() if isinstance(ptx, bytes) else ptx)
 
 
 def test_nvcomp_and_filters_report_nothing_without_a_gpu():

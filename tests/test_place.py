@@ -34,7 +34,7 @@ def _boxes(memory: np.ndarray, chunk: np.ndarray, tiles: list[tuple[np.ndarray, 
         b = place.box_of(chunk.shape, chunk.strides, chunk.ctypes.data - base, tile.shape, tile.strides,
                          tile.ctypes.data - base, origin, chunk.itemsize)
         if b is not None:
-            out.append(b)
+            out.append((b, tile, origin))
     return out
 
 
@@ -68,12 +68,11 @@ def test_the_table_walked_as_the_kernel_walks_it_places_every_tile_like_numpy(la
     want = np.zeros(shape, dtype)
     for tile, origin in tiles:
         place.assign(want, tile, origin)
-    table, word, total, rest = place.plan(_boxes(memory, chunk, tiles))
+    kept = _boxes(memory, chunk, tiles)
+    table, word, total, rest = place.plan([b for b, _, _ in kept])
     _walk(table, word, total, memory)
-    for b in rest:  # boxes the kernel leaves to assignment (no axis contiguous on both sides)
-        k = next(i for i, (t, o) in enumerate(tiles) if t.ctypes.data - memory.ctypes.data <= b.src
-                 < t.ctypes.data - memory.ctypes.data + n_tile)
-        place.assign(chunk, *tiles[k])
+    for i in rest:  # boxes the kernel leaves to assignment (no axis contiguous on both sides)
+        place.assign(chunk, kept[i][1], kept[i][2])
     np.testing.assert_array_equal(chunk, want)
     assert dtype.itemsize % word == 0 or word % dtype.itemsize == 0
 
@@ -82,7 +81,7 @@ def test_a_c_order_tile_into_a_c_order_chunk_goes_in_the_launch_with_the_widest_
     memory = np.zeros(4096 + 64, np.uint8)
     chunk = memory[:2048].view("<u2").reshape(32, 32)
     tile = memory[2048:2048 + 512].view("<u2").reshape(16, 16)
-    (b,) = _boxes(memory, chunk, [(tile, (16, 0))])
+    ((b, _, _),) = _boxes(memory, chunk, [(tile, (16, 0))])
     table, word, total, rest = place.plan([b])
     assert rest == [] and word == 16 and total == 16 * 32 // 16  # 16 rows of 32 bytes, two words each
     assert list(table[0, :5]) == [0, b.src, b.dst, 2, 1]

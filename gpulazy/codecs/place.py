@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Box", "box_of", "plan", "place", "MAXD", "COLS"]
+__all__ = ["COLS", "MAXD", "Box", "assign", "box_of", "overlap", "place", "plan"]
 
 #: Most axes besides the row axis a box may have (more fall back to one assignment each).
 MAXD = 8
@@ -43,19 +43,31 @@ class Box:
     itemsize: int
 
 
+def overlap(origin: Sequence[int], tile_shape: Sequence[int], chunk_shape: Sequence[int]
+            ) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """``(slices of the chunk, slices of the tile)`` where a tile at ``origin`` meets its chunk, or
+    None when no element of it falls inside."""
+    dst, src = [], []
+    for o, n, s in zip(origin, tile_shape, chunk_shape):
+        a, b = max(o, 0), min(o + n, s)
+        if b <= a:
+            return None
+        dst.append(slice(a, b))
+        src.append(slice(a - o, b - o))
+    return tuple(dst), tuple(src)
+
+
 def box_of(out_shape: Sequence[int], out_strides: Sequence[int], out_ptr: int, tile_shape: Sequence[int],
            tile_strides: Sequence[int], tile_ptr: int, origin: Sequence[int], itemsize: int) -> Box | None:
     """The box that places a tile (``tile_shape`` at ``origin`` of the chunk) into the chunk, or None
     when no element of the tile falls inside it."""
-    shape, src, dst = [], tile_ptr, out_ptr
-    for o, n, s, ts, os_ in zip(origin, tile_shape, out_shape, tile_strides, out_strides):
-        a, b = max(o, 0), min(o + n, s)
-        if b <= a:
-            return None
-        shape.append(b - a)
-        src += (a - o) * ts
-        dst += a * os_
-    return Box(src, dst, tuple(shape), tuple(tile_strides), tuple(out_strides), itemsize)
+    cut = overlap(origin, tile_shape, out_shape)
+    if cut is None:
+        return None
+    dst, src = cut
+    return Box(tile_ptr + sum(c.start * st for c, st in zip(src, tile_strides)),
+               out_ptr + sum(c.start * st for c, st in zip(dst, out_strides)),
+               tuple(c.stop - c.start for c in dst), tuple(tile_strides), tuple(out_strides), itemsize)
 
 
 def _row_axis(b: Box) -> int | None:
@@ -79,17 +91,18 @@ def _word(boxes: Sequence[Box], axes: Sequence[int]) -> int:
     return max(w for w in _WORDS if g % w == 0) if g else 16
 
 
-def plan(boxes: Sequence[Box]) -> tuple[np.ndarray, int, int, list[Box]]:
-    """``(table, word bytes, total words, boxes left over)`` for one launch over ``boxes``.
+def plan(boxes: Sequence[Box]) -> tuple[np.ndarray, int, int, list[int]]:
+    """``(table, word bytes, total words, indices of the boxes left over)`` for one launch over
+    ``boxes``.
 
     Boxes with no axis contiguous on both sides, or with more than ``MAXD`` other axes, are
     left over (the caller copies them one by one).
     """
     fit, axes, rest = [], [], []
-    for b in boxes:
+    for k, b in enumerate(boxes):
         ax = _row_axis(b)
         if ax is None or len(b.shape) - 1 > MAXD:
-            rest.append(b)
+            rest.append(k)
         else:
             fit.append(b)
             axes.append(ax)
@@ -141,32 +154,25 @@ def place(pairs: Sequence[tuple[Any, Any, Sequence[int]]]) -> None:
 
     from gpulazy.codecs.filters import kernel
 
-    boxes, slow = [], []
+    boxes, placed = [], []
     for chunk, tile, origin in pairs:
         b = box_of(chunk.shape, chunk.strides, chunk.data.ptr, tile.shape, tile.strides, tile.data.ptr, origin,
                    chunk.itemsize)
         if b is not None:
             boxes.append(b)
-            slow.append((b, chunk, tile, origin))
+            placed.append((chunk, tile, origin))
     table, word, total, rest = plan(boxes)
     if total:
         k = kernel(f"place_{word}", _source(word))
         threads = 256
         k((max(1, min(-(-total // threads), 1 << 16)),), (threads,),
           (cupy.asarray(table), np.int32(len(table)), np.int64(total)))
-    left = {id(b) for b in rest}
-    for b, chunk, tile, origin in slow:
-        if id(b) in left:
-            assign(chunk, tile, origin)
+    for i in rest:
+        assign(*placed[i])
 
 
 def assign(chunk: Any, tile: Any, origin: Sequence[int]) -> None:
     """One tile into its chunk by array assignment (the host's way, and the GPU's for odd layouts)."""
-    dst, src = [], []
-    for o, n, s in zip(origin, tile.shape, chunk.shape):
-        a, b = max(o, 0), min(o + n, s)
-        if b <= a:
-            return
-        dst.append(slice(a, b))
-        src.append(slice(a - o, b - o))
-    chunk[tuple(dst)] = tile[tuple(src)]
+    cut = overlap(origin, tile.shape, chunk.shape)
+    if cut is not None:
+        chunk[cut[0]] = tile[cut[1]]

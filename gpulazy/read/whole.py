@@ -17,7 +17,7 @@ import math
 import queue
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -177,15 +177,15 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
 
     grow_to = _decode_group(todo, limit)
     groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to)
-    inflight: deque = deque()  # (reads, group, bytes held) submitted and not yet handed out
+    inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
     settler = _Settler(threaded=len(groups) > 1 and grow_to is not None)  # a thread only where chunks decode
 
     def hand_out() -> None:
         nonlocal held
-        reads, group, nbytes = inflight.popleft()
-        settler.wait(reads)
+        reads, settled, group, nbytes = inflight.popleft()
+        settled()
         for k, (spec, _) in enumerate(group):
             try:
                 arr = reads.chunk(k)
@@ -209,9 +209,8 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
             except BaseException as e:
                 errors.append(e)
                 break
-            inflight.append((reads, group, nbytes))
+            inflight.append((reads, settler.add(reads), group, nbytes))
             held += nbytes
-            settler.add(reads)
         while inflight:
             hand_out()
     finally:
@@ -229,25 +228,20 @@ class _Settler:
     are still handed out (``landed``) on the caller's thread, in order."""
 
     def __init__(self, threaded: bool):
-        self._events: dict[int, threading.Event] = {}
         self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
         self._thread: threading.Thread | None = None
         if self._queue is not None:
             self._thread = threading.Thread(target=self._run, name="gpulazy-settle", daemon=True)
             self._thread.start()
 
-    def add(self, reads: Any) -> None:
-        if self._queue is not None:
-            event = self._events[id(reads)] = threading.Event()
-            self._queue.put((reads, event))
-
-    def wait(self, reads: Any) -> None:
-        """Returns once ``reads`` is settled (settling it here when there is no thread)."""
-        event = self._events.pop(id(reads), None)
-        if event is None:
-            reads.settle()
-        else:
-            event.wait()
+    def add(self, reads: Any) -> Callable[[], Any]:
+        """Queue ``reads``; returns what to call to wait until it is settled (with no thread, that
+        call settles it)."""
+        if self._queue is None:
+            return reads.settle
+        event = threading.Event()
+        self._queue.put((reads, event))
+        return event.wait
 
     def close(self) -> None:
         if self._thread is not None:

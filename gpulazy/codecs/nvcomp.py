@@ -1,6 +1,7 @@
-"""Batched GPU decompression with nvCOMP's Python API (``nvidia-nvcomp-cu13``).
+"""Batched GPU decompression with nvCOMP (its C API, ``gpulazy.codecs._nvcomp_c``).
 
-One ``decode`` call decodes every piece of a batch with one nvCOMP call per algorithm.
+One ``decode`` call decodes every piece of a batch with one nvCOMP call per algorithm, queued
+on the calling thread's own stream.
 Each format's framing is handled here, on the host, from a few header and trailer bytes
 of every piece fetched in one copy: nvCOMP's ``RAW`` bitstreams are the bare
 algorithm, so
@@ -21,13 +22,13 @@ size, or whose stream does not end exactly at the piece's end (a zstd frame's bl
 headers, an LZ4 block's sequences, walked by one GPU thread per piece) is not sent to
 nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on the host, which
 either decodes it or raises the error that names the file. The same goes for pieces
-nvCOMP reports decoding to a size other than the expected one, and for a whole batch
-nvCOMP refuses.
+nvCOMP reports failing or decoding to a size other than the expected one, and for a whole
+batch nvCOMP refuses.
 
 What nvCOMP 6.0 does with bad input, probed on an H100 (``benchmarks/bench_codecs.py
 --probe``): Deflate reports the bytes it actually decoded (a garbled stream 0, a
-truncated one fewer), so the size check catches both; LZ4's size pass rejects a garbled
-piece before decoding (the output would not fit); zstd and LZ4 read past a piece's stated
+truncated one fewer), so the size check catches both; LZ4 reports a garbled piece whose
+output would not fit its slot in that piece's status; zstd and LZ4 read past a piece's stated
 end (a stream cut in half still decoded in full from the bytes behind it), hence the
 walks; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
 its zstd and Deflate decoders assume valid input). nvCOMP verifies no zstd content
@@ -44,7 +45,6 @@ True
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -80,15 +80,15 @@ def supported() -> frozenset[str]:
 
     if gpu_count() == 0:
         return frozenset()
-    try:
-        from nvidia import nvcomp  # noqa: F401
-    except Exception:  # ImportError, or a library that fails to load
+    from gpulazy.codecs import _nvcomp_c
+
+    if not _nvcomp_c.available():
         return frozenset()
     ok = set()
     for algo in sorted({a for a, _ in ALGORITHMS.values()}):
         try:
-            _codec(algo, 0)
-        except Exception:
+            _nvcomp_c.alignments(algo)
+        except _nvcomp_c.NvcompError:
             continue
         ok.update(cid for cid, (a, _) in ALGORITHMS.items() if a == algo)
     return frozenset(ok)
@@ -103,22 +103,24 @@ def handles(c: Codec) -> bool:
     return not (c.id == "imagecodecs_zlib" and c.get("raw"))
 
 
-_local = threading.local()
+def _stream(device_index: int) -> Any:
+    """This thread's non-blocking ``gpulazy_stream`` on the device: where its nvCOMP calls run.
+
+    Each thread decodes on its own stream, so dask worker threads and the whole-array path's
+    settle threads decode side by side, and no decode waits for KvikIO's reads into the next
+    buffers: on the stream nvCOMP's Python API makes for itself, a 4 GiB read and 4 GiB of zstd
+    decodes took 308 ms together on an H100, against 100 + 208 ms apart.
+    """
+    from gpulazy.device import Device, gpulazy_stream
+
+    return gpulazy_stream(Device("cuda", device_index))
 
 
-def _codec(algorithm: str, device_index: int) -> Any:
-    # One nvCOMP Codec per thread and device: each owns its stream and scratch memory,
-    # so dask worker threads decode side by side without sharing one.
-    cache = getattr(_local, "codecs", None)
-    if cache is None:
-        cache = _local.codecs = {}
-    key = (algorithm, device_index)
-    if key not in cache:
-        from nvidia import nvcomp
-
-        cache[key] = nvcomp.Codec(algorithm=algorithm, device_id=device_index,
-                                  bitstream_kind=nvcomp.BitstreamKind.RAW)
-    return cache[key]
+def _after_current(stream: Any, cupy: Any) -> None:
+    """Order ``stream`` after what the current stream has queued (the pieces, their output buffer)."""
+    current = cupy.cuda.get_current_stream()
+    if current.ptr != stream.ptr:
+        stream.wait_event(current.record())
 
 
 @dataclass
@@ -184,53 +186,24 @@ def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cup
          ) -> tuple[list[Any], list[int], str | None]:
     """Decode ``src`` in one nvCOMP call; ``(views, decoded sizes, batch error or None)``.
 
-    Into one caller-sized output buffer carved per piece (``out=``). nvCOMP first works out
-    every piece's decoded size from its stream and raises ``ValueError`` when one does not
-    fit its slot: that is how a mis-sized or garbled LZ4/Deflate piece shows up, before any
-    byte is written, and the batch then goes to the host. ``buffer_sizes`` are the sizes
-    actually decoded (a truncated Deflate stream reports fewer bytes). Only a build that
-    does not take ``out=`` at all (``TypeError``) gets buffers nvCOMP allocates instead;
-    decoding a refused batch again that way is what faulted the GPU on a garbled LZ4 piece.
+    Into one output buffer carved per piece. A piece nvCOMP reports failing (its status: a
+    garbled LZ4 or Deflate stream, or one whose output would not fit its slot, found before
+    anything is written past it) gets size -1; ``got`` otherwise holds the bytes actually
+    decoded (a truncated Deflate stream reports fewer), so callers compare it with ``want``.
     """
-    from nvidia import nvcomp
+    from gpulazy.codecs import _nvcomp_c, filters
 
-    from gpulazy.codecs import filters
-
-    codec = _codec(algorithm, device_index)
-    align = max(1, int(codec.get_required_decompression_alignment()))
-    src = filters.aligned(src, align)
-    stream = cupy.cuda.get_current_stream().ptr
-    batch = nvcomp.as_arrays(src, stream)
+    align = _nvcomp_c.alignments(algorithm)
+    src = filters.aligned(src, align.input)
+    stream = _stream(device_index)
+    _after_current(stream, cupy)
+    buf, views = filters.carve(want, max(align.output, _OUT_ALIGN))
     try:
-        if algorithm not in _NO_CALLER_OUTPUT:
-            buf, views = filters.carve(want, max(align, _OUT_ALIGN))
-            try:
-                dst = nvcomp.as_arrays(buf, [v.data.ptr - buf.data.ptr for v in views], want, stream)
-                res = codec.decode(batch, out=dst)
-            except TypeError as e:  # this build takes no caller outputs
-                _NO_CALLER_OUTPUT[algorithm] = f"{type(e).__name__}: {e}"
-            else:
-                # Wait through CuPy, which lets go of the GIL (the thread submitting the next
-                # reads runs meanwhile); then buffer_sizes has nothing left to wait for.
-                cupy.cuda.get_current_stream().synchronize()
-                return views, [int(n) for n in res.buffer_sizes], None
-        res = codec.decode(batch)
-        got = [int(n) for n in res.buffer_sizes]
-    except Exception as e:  # a status nvCOMP reports for the batch (a piece too big, corrupt data)
-        return [], [], f"nvCOMP {algorithm} refused the batch: {type(e).__name__}: {e}"
-    return [_view(res, k, cupy) for k in range(len(got))], got, None
-
-
-#: Algorithms whose nvCOMP build refused caller output buffers (and why).
-_NO_CALLER_OUTPUT: dict[str, str] = {}
-
-
-def _view(res: Any, k: int, cupy: Any) -> Any:
-    """Piece ``k`` of an nvCOMP-allocated batch as a CuPy array that keeps the batch alive."""
-    item = res[k]
-    ptr, nbytes = int(item.__cuda_array_interface__["data"][0]), int(item.buffer_size)
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=(res, item))
-    return cupy.ndarray((nbytes,), dtype=np.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        got, status = _nvcomp_c.decompress(algorithm, [int(p.data.ptr) for p in src], [int(p.size) for p in src],
+                                           [int(v.data.ptr) for v in views], want, stream)
+    except _nvcomp_c.NvcompError as e:  # the call refused as a whole: the host finds (and names) the bad piece
+        return [], [], str(e)
+    return views, np.where(status == 0, got, -1).tolist(), None
 
 
 def _ends(pieces: Sequence[Any]) -> tuple[list[bytes], list[bytes]]:
@@ -397,12 +370,10 @@ def decode_table(addresses: np.ndarray, csizes: np.ndarray, dsizes: np.ndarray, 
     Returns ``(buffer, offsets, ok)``: stream ``k`` decoded at ``buffer[offsets[k]:][:dsizes[k]]``
     where ``ok[k]``; a stream that does not walk to its end, or decodes to another size, is not ok
     (the caller sends its piece to the host). ``decode`` takes a CuPy array per piece, which cost
-    ~20 µs of Python each: 0.5 million 8 KiB blocks of a 4 GiB HDF5 bitshuffle file took seconds.
-    nvCOMP carves the batch out of one span of device memory (``as_arrays(buffer, offsets,
-    sizes)``) that covers every stream; it reads only the streams' own bytes.
+    ~20 µs of Python each: 0.5 million 8 KiB blocks of a 4 GiB HDF5 bitshuffle file took seconds;
+    here the addresses go to nvCOMP as one table.
     """
     import cupy
-    from nvidia import nvcomp
 
     algorithm, framing = ALGORITHMS[codec.id]
     if framing not in _HEADLESS:
@@ -416,32 +387,27 @@ def decode_table(addresses: np.ndarray, csizes: np.ndarray, dsizes: np.ndarray, 
     offsets = np.zeros(len(addresses), dtype=np.int64)
     if not ok.any():
         return cupy.empty(1, dtype=np.uint8), offsets, ok
-    codec_obj = _codec(algorithm, device_index)
-    align = max(1, int(codec_obj.get_required_decompression_alignment()))
+    from gpulazy.codecs import _nvcomp_c
+
+    align = _nvcomp_c.alignments(algorithm)
     sel = np.flatnonzero(ok)
-    ok[sel[addresses[sel] % np.uint64(align) != 0]] = False  # nvCOMP would refuse them: the host decodes
+    ok[sel[addresses[sel] % np.uint64(align.input) != 0]] = False  # nvCOMP would refuse them: the host decodes
     sel = np.flatnonzero(ok)
     if not len(sel):
         return cupy.empty(1, dtype=np.uint8), offsets, ok
-    padded = -(-dsizes[sel] // _OUT_ALIGN) * _OUT_ALIGN
+    step = max(_OUT_ALIGN, align.output)
+    padded = -(-dsizes[sel] // step) * step
     offsets[sel] = np.concatenate([[0], np.cumsum(padded)[:-1]])
     out = cupy.empty(int(padded.sum()), dtype=np.uint8)
-    base = int(addresses[sel].min())
-    span = int((addresses[sel] + csizes[sel].astype(np.uint64)).max()) - base
-    mem = cupy.cuda.UnownedMemory(base, span, owner=None)
-    src = cupy.ndarray((span,), dtype=np.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    stream = cupy.cuda.get_current_stream()
+    stream = _stream(device_index)
+    _after_current(stream, cupy)
     try:
-        batch = nvcomp.as_arrays(src, (addresses[sel] - np.uint64(base)).astype(np.int64).tolist(),
-                                 csizes[sel].tolist(), stream.ptr)
-        dst = nvcomp.as_arrays(out, offsets[sel].tolist(), dsizes[sel].tolist(), stream.ptr)
-        res = codec_obj.decode(batch, out=dst)
-        stream.synchronize()  # through CuPy: the GIL is let go meanwhile
-        got = np.asarray(res.buffer_sizes, dtype=np.int64)
-    except Exception:  # the batch refused (a stream too big, corrupt data): every piece to the host
+        got, status = _nvcomp_c.decompress(algorithm, addresses[sel], csizes[sel], offsets[sel] + out.data.ptr,
+                                           dsizes[sel], stream)
+    except _nvcomp_c.NvcompError:  # the call refused as a whole: every piece to the host
         ok[sel] = False
         return out, offsets, ok
-    ok[sel] = got == dsizes[sel]
+    ok[sel] = (status == 0) & (got == dsizes[sel])
     return out, offsets, ok
 
 

@@ -4,17 +4,17 @@ The result is allocated once; each chunk is a destination of the engine: cache h
 copied in from the cache, misses read straight into their slice (decoded into it, for
 chunks of stored pieces). Submissions of about ``GROUP`` bytes go out in order from this
 thread (for chunks that decode, each may double the last, up to ``DECODE_GROUP``: one decode
-call per submission wants many pieces); stored bytes waiting to decode are held to ``STAGED`` bytes, or an eighth of a GPU's
-free memory (at most 4 GiB) when that is more (a submission is
-finished before the next one would pass that), so reading the next group overlaps
-decoding this one.
-"""
+call per submission wants many pieces). Stored bytes waiting to decode are held to ``STAGED``
+bytes, or an eighth of a GPU's free memory (at most 4 GiB) when that is more (a submission is
+finished before the next one would pass that), and up to ``SETTLERS`` submissions decode at
+once on threads of their own, so reading the next groups overlaps decoding these."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
 import math
-import queue
 import threading
 from collections import deque
 from typing import Any, Callable
@@ -30,6 +30,7 @@ __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_
 GROUP = 256 << 20
 STAGED = 512 << 20
 DECODE_GROUP = 1 << 30
+SETTLERS = 2
 
 
 def inflight_room(dev: Any) -> int:
@@ -180,7 +181,10 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
     inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
-    settler = _Settler(threaded=len(groups) > 1 and grow_to is not None)  # a thread only where chunks decode
+    # Threads only where chunks decode; as many as submissions that fit twice in ``limit`` (nvCOMP's
+    # scratch for a zstd submission is about three times its decoded bytes), at most ``SETTLERS``.
+    settler = _Settler(threaded=len(groups) > 1 and grow_to is not None,
+                       workers=max(1, min(SETTLERS, limit // (2 * (grow_to or GROUP)))))
 
     def hand_out() -> None:
         nonlocal held
@@ -220,42 +224,52 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
 
 
 class _Settler:
-    """Settles submissions (waits for their reads, decodes and places them) in order, on a thread
-    of its own when there are several that decode, so the thread that submits the next reads is
-    not held up meanwhile; chunks read as stored have nothing to decode and settle inline.
-    Submitting a 4 GiB zstd Zarr's reads took 0.11 s of Python and decoding them 0.18 s of
-    waiting on nvCOMP: one after the other in one thread, they made a 15.8 GB/s read. Chunks
-    are still handed out (``landed``) on the caller's thread, in order."""
+    """Settles submissions (waits for their reads, decodes and places them) on the threads of
+    ``settle_pool`` when there are several that decode, at most ``workers`` at a time, so the
+    thread that submits the next reads is not held up meanwhile and consecutive submissions
+    decode at once; chunks read as stored have nothing to decode and settle inline. Chunks are
+    still handed out (``landed``) on the caller's thread, in order.
 
-    def __init__(self, threaded: bool):
-        self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
-        self._thread: threading.Thread | None = None
-        if self._queue is not None:
-            self._thread = threading.Thread(target=self._run, name="gpulazy-settle", daemon=True)
-            self._thread.start()
+    Why two: a settle thread waits on each submission's nvCOMP call, so the next submission's
+    framing, walks and placement go on meanwhile. On an H100 a 4 GiB zstd Zarr (8 MiB chunks)
+    read at 23.7 and 19.3 GB/s with one settle thread and 24.4 and 20.7 with two (two calls,
+    1 GiB submissions); four threads with 512 MiB submissions gave 18–19, and LZ4 fell from
+    10.8 to 9.4: the settle threads' Python then holds up the thread submitting reads (its
+    512 ``pread`` calls took 240 ms instead of 55), so more threads buy nothing.
+    The threads outlive a read: each keeps its CUDA stream (``gpulazy_stream``) for the next.
+    """
+
+    def __init__(self, threaded: bool, workers: int = 1):
+        self._slots = threading.BoundedSemaphore(max(1, workers)) if threaded else None
+        self._futures: list[concurrent.futures.Future] = []
 
     def add(self, reads: Any) -> Callable[[], Any]:
         """Queue ``reads``; returns what to call to wait until it is settled (with no thread, that
         call settles it)."""
-        if self._queue is None:
+        if self._slots is None:
             return reads.settle
-        event = threading.Event()
-        self._queue.put((reads, event))
-        return event.wait
+        future = settle_pool().submit(self._settle, reads)
+        self._futures.append(future)
+        return lambda: concurrent.futures.wait([future])
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
+        """Wait until every submission added has settled."""
+        concurrent.futures.wait(self._futures)
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            reads, event = item
-            try:
-                reads.settle()
-            except BaseException:  # noqa: S110 (its chunks raise it again to the caller: ``Reads.chunk``)
-                pass
-            event.set()
+    def _settle(self, reads: Any) -> None:
+        self._slots.acquire()  # no more than ``workers`` of this read's submissions at once
+        try:
+            reads.settle()
+        except BaseException:  # noqa: S110 (its chunks raise it again to the caller: ``Reads.chunk``)
+            pass
+        finally:
+            self._slots.release()
+
+
+@functools.cache
+def settle_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that settle whole-array submissions (``SETTLERS``), kept for the process."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=SETTLERS, thread_name_prefix="gpulazy-settle")
 
 
 def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:

@@ -134,6 +134,35 @@ def test_a_compressed_store_streams_too(tmp_path):
     np.testing.assert_allclose(vol.mean(axis=(1, 2)).compute(), data.mean(axis=(1, 2)))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_compressed_groups_decode_on_the_settle_threads_and_fold_in_order(tmp_path, monkeypatch, device):
+    from gpulazy.read import whole
+
+    monkeypatch.setattr(whole, "GROUP", 2048)  # a group per chunk or two: many settle at once
+    data = np.random.default_rng(5).integers(0, 60000, (24, 32, 16)).astype("<u2")
+    p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
+    vol = gpulazy.from_files(p, device=device, cache=False)
+    np.testing.assert_array_equal(to_host(vol.max(axis=0).compute()), data.max(axis=0))
+    np.testing.assert_allclose(to_host(vol.mean(axis=(1, 2)).compute()), data.mean(axis=(1, 2)))
+    assert len([t for t in __import__("threading").enumerate() if t.name.startswith("gpulazy-settle")]) \
+        <= whole.SETTLERS
+
+
+def test_a_corrupt_chunk_in_a_later_compressed_group_raises_with_its_path(tmp_path, monkeypatch):
+    from gpulazy.errors import ChunkDecodeError
+    from gpulazy.read import whole
+
+    monkeypatch.setattr(whole, "GROUP", 2048)
+    data = np.random.default_rng(6).integers(0, 999, (24, 32, 16)).astype("<u2")
+    p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
+    with open(f"{p}/c/9/1/0", "r+b") as f:  # garble the frame's header, keep its size
+        f.write(b"\xff" * 8)
+    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    with pytest.raises(ChunkDecodeError) as e:
+        vol.max(axis=0).compute()
+    assert "c/9/1/0" in str(e.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_streamed_reductions_on_the_gpu(tmp_path, op):

@@ -74,7 +74,8 @@ class ReduceStream:
             self.acc = _Accumulator(op, chunks, axis, dtype, cast, ddof, self.dev)
         largest = max((s.out_nbytes + s.nbytes for g in groups for s in g), default=0)
         self.limit = max(int(config.get("read_ahead")), inflight_room(self.dev), 2 * largest)
-        self.pending: dict[int, tuple[Any, list[ChunkSpec], int]] = {}  # group -> (reads, misses, bytes)
+        # group -> (reads, misses, bytes, what waits until its chunks are decoded)
+        self.pending: dict[int, tuple[Any, list[ChunkSpec], int, Any]] = {}
         self.next = 0
         self.held = 0
 
@@ -135,17 +136,22 @@ class ReduceStream:
                                  what=f"reading {len(misses)} chunks from {first.index} of {first.paths[0]!r}"
                                  if first.ranges else "reading chunks")
         nbytes = _bytes(misses)
-        self.pending[j] = (reads, misses, nbytes)
+        # Chunks that decode settle on the settle threads, so group j decodes while this thread
+        # folds the groups before it; chunks read as stored have nothing to decode.
+        settled = whole.settle_later(reads) if reads is not None and any(s.is_assembled for s in misses) else None
+        self.pending[j] = (reads, misses, nbytes, settled)
         self.held += nbytes
         self.next = j + 1
 
     def _finish(self, k: int) -> None:
         if k not in self.pending:  # finished before this stream was sent to another process
             return
-        reads, misses, nbytes = self.pending.pop(k)
+        reads, misses, nbytes, settled = self.pending.pop(k)
         self.held -= nbytes
         if reads is None:
             return
+        if settled is not None:
+            settled()
         try:
             arrays = reads.result()  # every read of the group settled before an error is raised
         except BaseException:
@@ -161,7 +167,9 @@ class ReduceStream:
 
     def _settle(self) -> None:
         """Wait for every group in flight (a step failed: nothing may write into dropped buffers)."""
-        for reads, _, _ in self.pending.values():
+        for reads, _, _, settled in self.pending.values():
+            if settled is not None:
+                settled()
             if reads is not None:
                 reads.settle()
         self.pending.clear()

@@ -25,7 +25,7 @@ from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "held_bytes",
-           "inflight_room", "GROUP", "STAGED"]
+           "inflight_room", "settle_later", "settle_pool", "GROUP", "STAGED", "SETTLERS"]
 
 GROUP = 256 << 20
 STAGED = 512 << 20
@@ -241,29 +241,41 @@ class _Settler:
 
     def __init__(self, threaded: bool, workers: int = 1):
         self._slots = threading.BoundedSemaphore(max(1, workers)) if threaded else None
-        self._futures: list[concurrent.futures.Future] = []
+        self._waits: list[Callable[[], None]] = []
 
     def add(self, reads: Any) -> Callable[[], Any]:
         """Queue ``reads``; returns what to call to wait until it is settled (with no thread, that
         call settles it)."""
         if self._slots is None:
             return reads.settle
-        future = settle_pool().submit(self._settle, reads)
-        self._futures.append(future)
-        return lambda: concurrent.futures.wait([future])
+        wait = settle_later(reads, self._slots)
+        self._waits.append(wait)
+        return wait
 
     def close(self) -> None:
         """Wait until every submission added has settled."""
-        concurrent.futures.wait(self._futures)
+        for wait in self._waits:
+            wait()
 
-    def _settle(self, reads: Any) -> None:
-        self._slots.acquire()  # no more than ``workers`` of this read's submissions at once
+
+def settle_later(reads: Any, slots: threading.Semaphore | None = None) -> Callable[[], None]:
+    """Settle ``reads`` (wait for its reads, decode and place its chunks) on a ``settle_pool``
+    thread, holding one of ``slots`` meanwhile; returns what to call to wait for it. Its errors
+    stay with its chunks (``Reads.chunk`` raises them)."""
+
+    def settle() -> None:
+        if slots is not None:
+            slots.acquire()
         try:
             reads.settle()
         except BaseException:  # noqa: S110 (its chunks raise it again to the caller: ``Reads.chunk``)
             pass
         finally:
-            self._slots.release()
+            if slots is not None:
+                slots.release()
+
+    future = settle_pool().submit(settle)
+    return lambda: concurrent.futures.wait([future])
 
 
 @functools.cache

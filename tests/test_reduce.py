@@ -141,7 +141,10 @@ def test_compressed_groups_decode_on_the_settle_threads_and_fold_in_order(tmp_pa
     monkeypatch.setattr(whole, "GROUP", 2048)  # a group per chunk or two: many settle at once
     data = np.random.default_rng(5).integers(0, 60000, (24, 32, 16)).astype("<u2")
     p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
-    vol = gpulazy.from_files(p, device=device, cache=False)
+    vol = gpulazy.from_files(p, device=device, cache=False, chunks=(2, 16, 16))
+    from gpulazy.read.reduce import groups_of
+
+    assert len(groups_of(vol.chunk_index.specs)) >= 6  # of at most STEPS (8)
     np.testing.assert_array_equal(to_host(vol.max(axis=0).compute()), data.max(axis=0))
     np.testing.assert_allclose(to_host(vol.mean(axis=(1, 2)).compute()), data.mean(axis=(1, 2)))
     assert len([t for t in __import__("threading").enumerate() if t.name.startswith("gpulazy-settle")]) \
@@ -157,7 +160,7 @@ def test_a_corrupt_chunk_in_a_later_compressed_group_raises_with_its_path(tmp_pa
     p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
     with open(f"{p}/c/9/1/0", "r+b") as f:  # garble the frame's header, keep its size
         f.write(b"\xff" * 8)
-    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))
     with pytest.raises(ChunkDecodeError) as e:
         vol.max(axis=0).compute()
     assert "c/9/1/0" in str(e.value)

@@ -341,3 +341,23 @@ def test_gpu_decode_off_keeps_deflate_on_the_host():
         out = decode_pieces(pieces, (GZIP,), [len(r) for r in raws], get_device("cuda:0"))
     assert [o.get().tobytes() for o in out] == raws
     assert set(gpulazy.stats().snapshot()["decode_by_place"]) == {"host"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("way", ["auto", "host", "alternate"])
+def test_gpu_zstd_batch_split_with_the_host_decodes_like_numcodecs(way):
+    # zstd shares the Deflate split (its own figures, ``_split.PRIORS["zstd"]``): 12 frames of
+    # 8 MiB are the batch a napari plane needs; ``auto`` gives them to the host's cores.
+    zstd = Codec.of("zstd", level=1)
+    raws = [payload(8 << 20, k) for k in range(12)]
+    _, pieces = device_pieces([numcodecs.Zstd(level=1).encode(r) for r in raws])
+    dev = get_device("cuda:0")
+    _split.RECORD.reset()
+    gpulazy.stats().reset()
+    with _split.force(way):
+        out = decode_pieces(pieces, (zstd,), [len(r) for r in raws], dev)
+    assert [k for k, (o, r) in enumerate(zip(out, raws)) if o.get().tobytes() != r] == []
+    counts = _split.RECORD.snapshot()[f"{dev.name}/zstd"]["counts"]
+    assert counts["host_pieces"] + counts["gpu_pieces"] == 12
+    assert counts["gpu_pieces"] == {"host": 0, "alternate": 6}.get(way, counts["gpu_pieces"])
+    assert "cuda:0" not in _split.RECORD.snapshot()  # Deflate's figures untouched

@@ -183,9 +183,37 @@ def test_force_picks_the_share_and_nests():
         pass
 
 
-def test_only_the_deflate_family_is_split():
-    assert all(_split.applies(Codec.of(i)) for i in ("zlib", "gzip", "imagecodecs_zlib", "imagecodecs_deflate"))
-    assert not any(_split.applies(Codec.of(i)) for i in ("zstd", "lz4", "blosc", "shuffle"))
+def test_only_the_deflate_and_zstd_families_are_split():
+    assert {_split.family(Codec.of(i)) for i in ("zlib", "gzip", "imagecodecs_zlib", "imagecodecs_deflate")} \
+        == {"deflate"}
+    assert {_split.family(Codec.of(i)) for i in ("zstd", "imagecodecs_zstd")} == {"zstd"}
+    assert not any(_split.applies(Codec.of(i)) for i in ("lz4", "blosc", "shuffle", "bitshuffle_lz4"))
+
+
+def test_zstd_frames_too_few_for_nvcomp_go_to_the_host_and_big_batches_stay_on_the_gpu():
+    zstd = _split.PRIORS["zstd"]
+    # A napari plane of (32, 512, 512) uint16 chunks: 16 frames of 16 MiB. nvCOMP takes ~109 ms
+    # (one thread block a frame), 16 host cores ~60: the host takes them.
+    assert plan([16 * MiB] * 16, [15 * MiB] * 16, 16, zstd) == []
+    # On 2 cores the host would take 8 times as long: nvCOMP keeps them.
+    assert plan([16 * MiB] * 16, [15 * MiB] * 16, 2, zstd) == list(range(16))
+    # A whole-array submission of 128 frames of 8 MiB: nvCOMP decodes them at ~20 GB/s; a split
+    # would gain under the 10 % margin, so nvCOMP takes all.
+    assert plan([8 * MiB] * 128, [7 * MiB] * 128, 16, zstd) == list(range(128))
+    # Fewer pieces than min_pieces (a dask task's chunk) or fewer bytes than min_bytes: nvCOMP.
+    assert plan([16 * MiB] * 4, [15 * MiB] * 4, 16, zstd) == list(range(4))
+    assert plan([1 * MiB] * 32, [MiB] * 32, 16, zstd) == list(range(32))
+    # Deflate keeps its own rule: the same small batch goes to the host.
+    assert plan([1 * MiB] * 32, [MiB] * 32, 16, Rates()) == []
+
+
+def test_the_rates_of_each_family_are_kept_apart():
+    record = _split.RateRecord()
+    record.fold("cuda:9", "zstd", host_per_core=1e9)
+    assert record.rates("cuda:9", "zstd").host_per_core == pytest.approx(0.7 * 0.3e9 + 0.3 * 1e9)
+    assert record.rates("cuda:9") == Rates()  # Deflate's figures untouched
+    record.count("cuda:9", "zstd", batches=1)
+    assert set(record.snapshot()) == {"cuda:9/zstd"}
 
 
 def test_the_plan_is_fast_for_big_batches():

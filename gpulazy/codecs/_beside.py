@@ -55,7 +55,8 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
     if not pieces:
         return []
     stored = [int(p.size) for p in pieces]
-    gpu = _split.gpu_share(sizes, stored, cores(), device.name)
+    kind = _split.family(c) or "deflate"
+    gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind)
     picked = set(gpu)
     host = [i for i in range(len(pieces)) if i not in picked]
     started = time.perf_counter()
@@ -64,7 +65,7 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
     if share is not None and not gpu:  # the host alone: no thread to hand it to
         out_host = share.run()
         _record(sum(sizes), started, (c,), "host", device)
-        _learn(device.name, sizes, stored, [], share, 0.0, time.perf_counter() - started)
+        _learn(device.name, kind, sizes, stored, [], share, 0.0, time.perf_counter() - started)
         return out_host
     driven = None
     if share is not None:
@@ -87,31 +88,31 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
         for i, arr in zip(host, driven.result()):  # the first failing piece's error, naming its file
             out[i] = arr
         _record(sum(sizes[i] for i in host), started, (c,), "host", device)
-    _learn(device.name, [sizes[i] for i in host], [stored[i] for i in host], [sizes[i] for i in gpu],
+    _learn(device.name, kind, [sizes[i] for i in host], [stored[i] for i in host], [sizes[i] for i in gpu],
            share, gpu_seconds, both_done - started)
     return out
 
 
-def _learn(device: str, host_sizes: list[int], host_stored: list[int], gpu_sizes: list[int],
+def _learn(device: str, kind: str, host_sizes: list[int], host_stored: list[int], gpu_sizes: list[int],
            share: HostShare | None, gpu_seconds: float, wall: float) -> None:
-    """Fold what this batch measured into the device's rates (``_split.RECORD``)."""
+    """Fold what this batch measured into the device's rates for ``kind`` (``_split.RECORD``)."""
     record = _split.RECORD
-    rates = record.rates(device)
+    rates = record.rates(device, kind)
     transfers = 2 * len(share.rounds) if share is not None else 0
-    record.count(device, batches=1, host_pieces=len(host_sizes), gpu_pieces=len(gpu_sizes),
+    record.count(device, kind, batches=1, host_pieces=len(host_sizes), gpu_pieces=len(gpu_sizes),
                  host_bytes=sum(host_sizes), gpu_bytes=sum(gpu_sizes),
                  copied_down=sum(host_stored), copied_up=sum(host_sizes), transfers=transfers)
     if not gpu_sizes:
         # The host alone: its threads' own times give the rate per core. (Not from split
         # batches: a thread stalled behind nvCOMP's call would make the host look slow.)
         if share is not None and share.busy > 0:
-            record.fold(device, host_per_core=sum(host_sizes) / share.busy)
+            record.fold(device, kind, host_per_core=sum(host_sizes) / share.busy)
         return
     together = None
     if host_sizes:
         predicted = _split.host_seconds(host_sizes, host_stored, cores(), rates)
         together = _split.overlap(predicted, gpu_seconds, wall)
-    record.fold(device, gpu_per_stream=_split.per_stream(gpu_sizes, gpu_seconds, rates), overlap=together)
+    record.fold(device, kind, gpu_per_stream=_split.per_stream(gpu_sizes, gpu_seconds, rates), overlap=together)
 
 
 class HostDecode:

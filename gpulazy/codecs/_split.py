@@ -1,4 +1,4 @@
-"""Deflate on a GPU host: which pieces of a batch nvCOMP decodes and which the host's cores do.
+"""Deflate and zstd on a GPU host: which pieces of a batch nvCOMP decodes and which the host's cores do.
 
 The two decoders scale differently. libdeflate (the ``deflate`` package, GIL released) decodes
 about 0.45 GB/s of output per core, so the host's time for a share is its bytes over all cores.
@@ -10,6 +10,12 @@ A few pieces on the GPU cost as long as many; the GPU helps only once the host's
 take longer than one piece takes nvCOMP. ``plan`` weighs both (with the copies the host's share
 costs) and returns the pieces nvCOMP decodes; the rest decode on the host, and a GPU share too
 small to pay for itself is none at all.
+
+zstd follows the same model with its own figures (``PRIORS["zstd"]``): nvCOMP decodes a zstd
+frame in one thread block, about 154 MB/s each, so the 16 frames of 16 MiB a napari plane of a
+(32, 512, 512)-chunked Zarr needs took it 109 ms on an H100, while a batch of hundreds of frames
+decodes at 40 GB/s and more. There the GPU alone is kept unless a split is predicted at least
+10 % faster (``Rates.margin``), so whole-array reads stay on nvCOMP.
 
 The figures start from ``Rates()`` (the documented priors below) and follow what the batches
 of this process measure (``RECORD``, one per device): the host's rate per core from batches
@@ -36,19 +42,26 @@ import numpy as np
 
 from gpulazy.spec import Codec
 
-__all__ = ["DEFLATE_IDS", "RECORD", "ROUND", "RateRecord", "Rates", "applies", "force", "gpu_seconds", "gpu_share",
-           "host_seconds", "makespan", "overlap", "per_stream", "plan"]
+__all__ = ["DEFLATE_IDS", "PRIORS", "RECORD", "ROUND", "ZSTD_IDS", "RateRecord", "Rates", "applies", "family",
+           "force", "gpu_seconds", "gpu_share", "host_seconds", "makespan", "overlap", "per_stream", "plan"]
 
 #: Decoded bytes per round of a host share (``_beside.HostShare``): each round is copied down and
 #: up while the next decodes, so only the first copy down and the last copy up are not hidden.
 ROUND = 64 << 20
 #: The Deflate family: zlib and gzip framings (numcodecs, HDF5's gzip filter) and TIFF's deflate.
 DEFLATE_IDS = frozenset({"zlib", "gzip", "imagecodecs_zlib", "imagecodecs_deflate"})
+#: zstd: numcodecs' (Zarr, HDF5 through hdf5plugin) and TIFF's.
+ZSTD_IDS = frozenset({"zstd", "imagecodecs_zstd"})
+
+
+def family(c: Codec) -> str | None:
+    """``"deflate"`` or ``"zstd"``: whose figures a batch of step ``c`` is split by (None: not split)."""
+    return "deflate" if c.id in DEFLATE_IDS else "zstd" if c.id in ZSTD_IDS else None
 
 
 def applies(c: Codec) -> bool:
     """Whether a GPU batch of step ``c`` is shared between nvCOMP and the host's cores."""
-    return c.id in DEFLATE_IDS
+    return family(c) is not None
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,12 @@ class Rates:
     host share's copies down and up through pinned memory (54.9 GB/s host to device on that
     host, ``DESIGN.md``), all but one round's each way hidden behind decoding (``ROUND``);
     ``overlap`` 1 when the host's threads decode while the calling thread waits in nvCOMP, 0
-    when they stall (the two sides then take the sum of their times, not the larger).
+    when they stall (the two sides then take the sum of their times, not the larger);
+    ``margin``: a split is taken only when predicted to take at most this fraction of nvCOMP
+    alone's time (1: any gain, and ties go to the host); ``min_pieces``, ``min_bytes``: a batch
+    of fewer pieces or bytes stays on nvCOMP (a dask task decodes its chunk while other threads
+    decode theirs on the same GPU, side by side, which one batch's figures cannot see; and what
+    a small batch could gain is not worth the host's threads).
     """
 
     host_per_core: float = 0.45e9
@@ -76,6 +94,18 @@ class Rates:
     gpu_call: float = 2e-3
     link: float = 50e9
     overlap: float = 1.0
+    margin: float = 1.0
+    min_pieces: int = 0
+    min_bytes: int = 0
+
+
+#: The starting figures per family. zstd on an H100: nvCOMP 16 frames of 16 MiB in 109 ms (154 MB/s
+#: a frame; a napari jump, profiled), 128 frames of 8 MiB at 21.3 GB/s and 512 at 44.1
+#: (``benchmarks/nvcomp_capi_probe.py``): about 285 frames at once before the rate stops growing;
+#: numcodecs' zstd-1 decode 0.50 GB/s on one core, 4.0 on 16 (``bench_codecs.py``): 0.25–0.5 a core.
+PRIORS = {"deflate": Rates(),
+          "zstd": Rates(host_per_core=0.3e9, gpu_per_stream=1.54e8, gpu_streams=285, margin=0.9, min_pieces=8,
+                        min_bytes=64 << 20)}
 
 
 def host_seconds(decoded: Sequence[int] | np.ndarray, stored: Sequence[int] | np.ndarray, cores: int,
@@ -130,6 +160,8 @@ def plan(decoded: Sequence[int], stored: Sequence[int], cores: int, rates: Rates
     n = len(decoded)
     if n == 0:
         return []
+    if n < rates.min_pieces or sum(decoded) < rates.min_bytes:
+        return list(range(n))
     order = np.argsort(np.asarray(decoded, dtype=np.int64), kind="stable")
     d = np.asarray(decoded, dtype=np.float64)[order]
     s = np.asarray(stored, dtype=np.float64)[order]
@@ -145,6 +177,8 @@ def plan(decoded: Sequence[int], stored: Sequence[int], cores: int, rates: Rates
         _host_time(cd[rest], np.where(rest > 0, d[np.maximum(rest - 1, 0)], 0.0), cs[rest], cores, rates),
         _gpu_time(cd[-1] - cd[rest], np.where(k > 0, d[-1], 0.0), rates), rates.overlap)
     ks, kl = int(np.argmin(small)), int(np.argmin(large))  # argmin: the first (fewest on the GPU) of equals
+    if min(small[ks], large[kl]) > rates.margin * small[n]:  # small[n]: every piece to nvCOMP
+        return list(range(n))
     chosen = order[:ks] if (small[ks], ks) <= (large[kl], kl) else order[n - kl:]
     return sorted(int(i) for i in chosen)
 
@@ -174,8 +208,9 @@ def overlap(host_predicted: float, gpu: float, wall: float) -> float | None:
 
 
 class RateRecord:
-    """The rates of this process, one ``Rates`` per device, each measure folded in with weight
-    ``weight`` (a moving average: a batch slowed by other work moves it, but not all the way)."""
+    """The rates of this process, one ``Rates`` per device and family (``PRIORS`` until measured),
+    each measure folded in with weight ``weight`` (a moving average: a batch slowed by other work
+    moves it, but not all the way). Keyed ``device`` for Deflate, ``device/zstd`` for zstd."""
 
     def __init__(self, weight: float = 0.3):
         self.weight = weight
@@ -183,23 +218,24 @@ class RateRecord:
         self._rates: dict[str, Rates] = {}
         self._counts: dict[str, dict[str, int]] = {}
 
-    def rates(self, device: str) -> Rates:
+    def rates(self, device: str, kind: str = "deflate") -> Rates:
         with self._lock:
-            return self._rates.get(device, Rates())
+            return self._rates.get(_key(device, kind), PRIORS[kind])
 
-    def fold(self, device: str, **measured: float | None) -> Rates:
+    def fold(self, device: str, kind: str = "deflate", **measured: float | None) -> Rates:
         """Fold the measured fields (``None`` ones skipped) into ``device``'s rates; the new rates."""
         with self._lock:
-            old = self._rates.get(device, Rates())
+            key = _key(device, kind)
+            old = self._rates.get(key, PRIORS[kind])
             new = {k: (1 - self.weight) * getattr(old, k) + self.weight * float(v)
                    for k, v in measured.items() if v is not None}
-            self._rates[device] = dataclasses.replace(old, **new)
-            return self._rates[device]
+            self._rates[key] = dataclasses.replace(old, **new)
+            return self._rates[key]
 
-    def count(self, device: str, **amounts: int) -> None:
+    def count(self, device: str, kind: str = "deflate", **amounts: int) -> None:
         """Add to ``device``'s tallies (batches, pieces and bytes each side took, bytes copied)."""
         with self._lock:
-            tally = self._counts.setdefault(device, {})
+            tally = self._counts.setdefault(_key(device, kind), {})
             for k, v in amounts.items():
                 tally[k] = tally.get(k, 0) + int(v)
 
@@ -207,7 +243,7 @@ class RateRecord:
         """``{device: {"rates": {...}, "counts": {...}}}``: what the split runs on now."""
         with self._lock:
             devices = set(self._rates) | set(self._counts)
-            return {d: {"rates": dataclasses.asdict(self._rates.get(d, Rates())),
+            return {d: {"rates": dataclasses.asdict(self._rates.get(d, PRIORS[_kind_of(d)])),
                         "counts": dict(self._counts.get(d, {}))} for d in sorted(devices)}
 
     def reset(self) -> None:
@@ -216,7 +252,15 @@ class RateRecord:
             self._counts.clear()
 
 
-#: This process's rates (per device name).
+def _key(device: str, kind: str) -> str:
+    return device if kind == "deflate" else f"{device}/{kind}"
+
+
+def _kind_of(key: str) -> str:
+    return key.rpartition("/")[2] if "/" in key else "deflate"
+
+
+#: This process's rates (per device name and family).
 RECORD = RateRecord()
 
 _forced: list[str] = []
@@ -225,7 +269,7 @@ _MODES = ("auto", "host", "gpu", "alternate")
 
 @contextlib.contextmanager
 def force(mode: str) -> Iterator[None]:
-    """Within the block, every Deflate batch on a GPU goes ``"host"`` (all pieces), ``"gpu"``
+    """Within the block, every Deflate or zstd batch on a GPU goes ``"host"`` (all pieces), ``"gpu"``
     (all to nvCOMP), ``"alternate"`` (odd pieces to nvCOMP, even ones to the host) or
     ``"auto"`` (``plan``). For benchmarks and tests; process-wide."""
     if mode not in _MODES:
@@ -237,9 +281,10 @@ def force(mode: str) -> Iterator[None]:
         _forced.pop()
 
 
-def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device: str) -> list[int]:
-    """The pieces of this batch nvCOMP decodes on ``device``: ``plan`` on its recorded rates, or
-    what ``force`` says."""
+def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device: str, kind: str = "deflate"
+              ) -> list[int]:
+    """The pieces of this batch nvCOMP decodes on ``device``: ``plan`` on its recorded rates for
+    ``kind`` (``family``), or what ``force`` says."""
     mode = _forced[-1] if _forced else "auto"
     if mode == "host":
         return []
@@ -247,4 +292,4 @@ def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device:
         return list(range(len(decoded)))
     if mode == "alternate":
         return list(range(1, len(decoded), 2))
-    return plan(decoded, stored, cores, RECORD.rates(device))
+    return plan(decoded, stored, cores, RECORD.rates(device, kind))

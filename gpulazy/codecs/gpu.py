@@ -82,7 +82,7 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
     started = time.perf_counter()
     decoder = _batch_decoder(c) if sizes is not None else None
     if decoder is not None and sizes is not None:
-        if _split.applies(c):  # Deflate: nvCOMP is slow per stream, the host's cores take their share
+        if _split.applies(c):  # Deflate, zstd: nvCOMP is slow per stream, the host's cores may take a share
             from gpulazy.codecs._beside import beside_host
 
             return beside_host(pieces, c, sizes, device, where, lambda *a: _batched(decoder, *a))

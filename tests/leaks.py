@@ -20,6 +20,8 @@ LONG_LIVED = (
     "gpulazy-cache-default-",  # the default cache's prefetch workers (daemons, reused)
     "gpulazy-host-decode",     # codecs._run.host_pool: the host decode pool, one per process
     "gpulazy-verify",          # _hashing._pool: verify=True's hashing pool, one per process
+    "gpulazy-settle",          # read.whole.settle_pool: the settle threads, one pool per process
+    "gpulazy-host-share",      # codecs._beside._drivers: drives a host share beside nvCOMP, one per process
     "ThreadPoolExecutor-",     # dask's threaded scheduler pool and other default executors
     "asyncio_",                # distributed's offload executor
     "Dask-Offload",

@@ -26,11 +26,10 @@ sz = ctypes.c_size_t; vp = ctypes.c_void_p
 lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [sz, sz, Opts, ctypes.POINTER(sz), sz, vp]
 lib.nvcompBatchedZstdDecompressAsync.argtypes = [vp, vp, vp, vp, sz, vp, sz, vp, Opts, vp, vp]
 N, PIECE = 512, 8 << 20
-rng = np.random.default_rng(0)
-base = (np.sin(np.linspace(0, 2000, PIECE // 2)) * 1000 + 2000).astype(np.uint16)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _zstd_frames import zstd_frames
+comp = zstd_frames(N, PIECE)
 z = numcodecs.Zstd(level=1)
-uniq = [z.encode(base + rng.integers(0, 8, PIECE // 2, dtype=np.uint16)) for _ in range(16)]
-comp = [uniq[i % 16] for i in range(N)]
 sizes = np.array([len(c) for c in comp], np.uint64)
 # 4 KiB-aligned offsets so each piece reads as kvikio likes
 offs = np.concatenate([[0], np.cumsum((sizes + 4095) // 4096 * 4096)]).astype(np.uint64)

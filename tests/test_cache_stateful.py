@@ -112,8 +112,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def clear(self):
+        warmed = self.cache.stats()["prefetched"]
         self.cache.clear()
-        assert self.cache.bytes_held == 0 or self.cache.stats()["in_flight"] > 0
+        s = self.cache.stats()
+        # Bytes held after a clear come only from prefetch reads in flight through it: still in
+        # flight, or landed since (a read may land between the clear and this snapshot).
+        assert s["bytes_held"] == 0 or s["in_flight"] > 0 or s["prefetched"] > warmed
 
     @rule()
     def wait_idle(self):

@@ -215,7 +215,8 @@ def test_a_whole_read_in_many_submissions_settled_on_threads_gives_every_value(t
     assert len(_settle_threads()) <= whole.SETTLERS  # kept for the next read, not one more per read
 
 
-def test_a_corrupt_chunk_in_a_later_submission_raises_with_its_path_and_leaks_no_thread(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["compute", "max"])  # the whole-array path; a streamed reduction's groups
+def test_a_corrupt_chunk_in_a_later_submission_raises_with_its_path_and_leaks_no_thread(tmp_path, monkeypatch, how):
     from gpulazy.read import whole
 
     monkeypatch.setattr(whole, "GROUP", 1024)
@@ -225,6 +226,6 @@ def test_a_corrupt_chunk_in_a_later_submission_raises_with_its_path_and_leaks_no
         f.write(b"\xff" * 8)
     vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(4, 32, 32))
     with pytest.raises(ChunkDecodeError) as e:
-        vol.compute()
+        (vol.compute() if how == "compute" else vol.max(axis=0).compute())
     assert "c/9/1/0" in str(e.value)
     assert len(_settle_threads()) <= whole.SETTLERS

@@ -142,13 +142,32 @@ def test_compressed_groups_decode_on_the_settle_threads_and_fold_in_order(tmp_pa
     data = np.random.default_rng(5).integers(0, 60000, (24, 32, 16)).astype("<u2")
     p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
     vol = gpulazy.from_files(p, device=device, cache=False, chunks=(2, 16, 16))
+    import threading
+
     from gpulazy.read.reduce import groups_of
 
-    assert len(groups_of(vol.chunk_index.specs)) >= 6  # of at most STEPS (8)
+    groups = len(groups_of(vol.chunk_index.specs))
+    assert groups >= 6  # of at most STEPS (8)
+    settled_on: list[str] = []
+    settle_later = whole.settle_later
+
+    class Recorded:  # what settle_later settles: the group's reads, noting the thread
+        def __init__(self, reads):
+            self.reads = reads
+
+        def settle(self):
+            settled_on.append(threading.current_thread().name)
+            self.reads.settle()
+
+    def recorded(reads, slots=None):
+        return settle_later(Recorded(reads), slots)
+
+    monkeypatch.setattr(whole, "settle_later", recorded)
     np.testing.assert_array_equal(to_host(vol.max(axis=0).compute()), data.max(axis=0))
+    # Every group settled (decoded) on the settle pool, not on the step's thread.
+    assert len(settled_on) == groups and all(n.startswith("gpulazy-settle") for n in settled_on)
     np.testing.assert_allclose(to_host(vol.mean(axis=(1, 2)).compute()), data.mean(axis=(1, 2)))
-    assert len([t for t in __import__("threading").enumerate() if t.name.startswith("gpulazy-settle")]) \
-        <= whole.SETTLERS
+    assert len([t for t in threading.enumerate() if t.name.startswith("gpulazy-settle")]) <= whole.SETTLERS
 
 
 @pytest.mark.gpu

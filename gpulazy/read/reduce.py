@@ -285,17 +285,31 @@ class _Accumulator:
     def _planes(self, chunk: Any) -> Any:
         """``chunk`` as a stack of the slices it reduces over, when the reduced axes lead and are few
         (a MIP of planes): folding them one elementwise kernel each beats a reduction kernel along a
-        strided axis (on an H100 a MIP of 128 MiB chunks ran at 0.8 of the read rate that way)."""
+        strided axis (on an H100 a MIP of 128 MiB chunks ran at 0.8 of the read rate that way). On a
+        GPU the whole stack folds in one launch (``_fold_gpu``), so there the slices may be many."""
         axis = self.axis
         if not axis or axis != tuple(range(len(axis))) or len(axis) == chunk.ndim or not chunk.flags.c_contiguous:
             return None
         n = math.prod(chunk.shape[: len(axis)])
-        if n > _MOST_PLANES:
+        if n > _MOST_PLANES and not self._one_launch(chunk.dtype):
             return None
         return chunk.reshape((n,) + chunk.shape[len(axis):])
 
+    def _one_launch(self, dtype: Any) -> bool:
+        """Whether a stack of slices of ``dtype`` folds in one kernel launch (``_fold_gpu``), however many."""
+        if not self.dev.is_gpu:
+            return False
+        from gpulazy.read import _fold_gpu
+
+        return _fold_gpu.folds("sum" if self.op == "mean" else self.op, dtype, self.total.dtype)
+
     def _fold_planes(self, planes: Any, dst: Any, seen: int) -> None:
         xp, op = self.xp, self.op
+        if self._one_launch(planes.dtype):
+            from gpulazy.read import _fold_gpu
+
+            _fold_gpu.fold_planes("sum" if op == "mean" else op, planes, dst, first=seen == 0)
+            return
         if op in ("max", "min"):
             pick = xp.maximum if op == "max" else xp.minimum
             first = 0

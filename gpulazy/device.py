@@ -287,6 +287,26 @@ def gpulazy_stream(device: Device) -> Any:
     return s
 
 
+def staging_stream(device: Device) -> Any:
+    """This thread's second non-blocking stream on ``device``: staged host-to-device copies.
+
+    Apart from ``gpulazy_stream`` so that what waits for that stream (a copy out of the cache
+    before it is handed out) does not wait behind the copies of chunks read ahead: on an H100
+    a prefetched compute spent 0.28 ms a chunk there. A staged copy is handed out only once
+    its own event has completed, so nothing orders other work after it on the stream.
+    """
+    per_thread = getattr(_streams, "staging", None)
+    if per_thread is None:
+        per_thread = _streams.staging = {}
+    s = per_thread.get(device.index)
+    if s is None:
+        import cupy
+
+        with device.activate():
+            s = per_thread[device.index] = cupy.cuda.Stream(non_blocking=True)
+    return s
+
+
 _VALID = "'cpu', 'cuda', 'cuda:N' (N a device index), 'gpu' or None"
 
 

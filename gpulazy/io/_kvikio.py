@@ -190,7 +190,7 @@ class _Batch:
 
     Staged: KvikIO reads into one pinned host buffer (plain ``pread``s on its pool, no
     CUDA stream of KvikIO's involved), and each job's bytes go to the device by one
-    ``cudaMemcpyAsync`` on the finishing thread's non-blocking ``gpulazy_stream``, with an
+    ``cudaMemcpyAsync`` on the finishing thread's non-blocking ``staging_stream``, with an
     event recorded after it; the job is handed out once that event has completed.
     Kernels on the legacy stream then never wait for our copies, nor ours for them.
 
@@ -382,9 +382,9 @@ def _pinned(nbytes: int) -> tuple[Any, Any]:
 
 
 def _stream(device: Device) -> Any:
-    from gpulazy.device import gpulazy_stream
+    from gpulazy.device import staging_stream
 
-    return gpulazy_stream(device)
+    return staging_stream(device)
 
 
 def _copy_async(out: Any, host: Any, at: int, nbytes: int, stream: Any) -> None:

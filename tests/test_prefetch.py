@@ -59,6 +59,20 @@ def test_plan_depth_and_budget():
     assert plan.outstanding_bytes == 200
 
 
+def test_gathered_reads_start_half_a_window_at_a_time():
+    specs = specs_of([100] * 12)
+    plan = ReadAheadPlan(specs, depth=4, budget=10_000)
+    assert [s for _, s in plan.next_reads(gather=True)] == specs[:4]
+    plan.consume([specs[0].key])
+    assert plan.next_reads(gather=True) == []                  # one due of a window of four
+    plan.consume([specs[1].key])
+    assert [s for _, s in plan.next_reads(gather=True)] == specs[4:6]   # half the window: together
+    plan.consume([specs[i].key for i in (2, 3, 4, 5)])           # fell behind: the next read is due
+    assert [s for _, s in plan.next_reads(gather=True)] == specs[6:10]
+    plan.consume([specs[i].key for i in (6, 7, 8)])
+    assert [s for _, s in plan.next_reads(gather=True)] == specs[10:]   # the last reads: at once
+
+
 def test_plan_big_chunk_blocks_what_follows():
     # Order first: a chunk too big for the budget is left to its task, and nothing
     # behind it jumps the queue (it would be warmed too early).
@@ -115,9 +129,11 @@ def test_plan_rejects_negative(kw):
     budget=st.integers(0, 300),
     jitter=st.lists(st.integers(0, 2), max_size=40),
     cached=st.sets(st.integers(0, 39), max_size=10),
+    gather=st.booleans(),
 )
-def test_plan_invariants(sizes, depth, budget, jitter, cached):
-    """Budget and depth never exceeded; a read is issued only after every earlier one."""
+def test_plan_invariants(sizes, depth, budget, jitter, cached, gather):
+    """Budget and depth never exceeded; a read is issued only after every earlier one; gathered,
+    the read needed next is never left unissued."""
     specs = specs_of(sizes)
     cached_keys = {specs[i].key for i in cached if i < len(specs)}
     plan = ReadAheadPlan(specs, depth=depth, budget=budget)
@@ -125,9 +141,12 @@ def test_plan_invariants(sizes, depth, budget, jitter, cached):
     issued: set[str] = set()
     step = 0
     while remaining:
-        for _, s in plan.next_reads(lambda s: s.key in cached_keys):
+        for _, s in plan.next_reads(lambda s: s.key in cached_keys, gather=gather):
             assert s.key not in issued, "a read was issued twice"
             issued.add(s.key)
+        window = plan.window()
+        if window and window[0] not in cached_keys:
+            assert window[0] in issued, "the read needed next was held back"
         out = plan.outstanding
         assert plan.outstanding_bytes <= budget
         assert len(out) <= depth

@@ -113,19 +113,27 @@ class ReadAheadPlan:
 
     # -- decisions
 
-    def next_reads(self, is_cached: Callable[[ChunkSpec], bool] | None = None
+    def next_reads(self, is_cached: Callable[[ChunkSpec], bool] | None = None, *, gather: bool = False
                    ) -> list[tuple[Hashable, ChunkSpec]]:
         """The reads to start now, in order; they count as issued from now on.
 
         ``is_cached(spec)`` says whether a chunk is already in (or on its way into) the
         cache; such chunks are not issued but still take their place in the window,
         since they must stay cached until used.
+
+        ``gather``: start nothing until half the window is due (one submission of several
+        chunks costs the thread that submits about what one costs), unless the read needed
+        next is among them or the window holds the last reads. The look-ahead then swings
+        between half the window and all of it.
         """
-        out = []
-        for rid, spec, cached in self._window(is_cached):
-            if rid not in self._issued and not cached:
-                self._issued[rid] = spec
-                out.append((rid, spec))
+        window = list(self._window(is_cached))
+        due = [(rid, spec) for rid, spec, cached in window if rid not in self._issued and not cached]
+        if (gather and due and 2 * len(due) < len(window) and due[0][0] != window[0][0]
+                and not self._reaches_end(window)):
+            return []
+        out = due
+        for rid, spec in out:
+            self._issued[rid] = spec
         self.issued_total += len(out)
         self.peak_outstanding_bytes = max(self.peak_outstanding_bytes, self.outstanding_bytes)
         return out
@@ -162,6 +170,10 @@ class ReadAheadPlan:
                 f"outstanding={len(self._issued)} ({self.outstanding_bytes} bytes))")
 
     # -- internals
+
+    def _reaches_end(self, window: list) -> bool:
+        """Whether ``window`` holds every read not consumed yet."""
+        return len(window) >= self.remaining
 
     def _advance(self) -> None:
         while self._cursor < len(self._order) and self._order[self._cursor] in self._consumed:
@@ -409,7 +421,7 @@ class ReadAhead:
             if self.inline:
                 for cache in {id(c): c for c in self._caches.values() if c is not None}.values():
                     cache.poll()
-            reads = self.plan.next_reads()
+            reads = self.plan.next_reads(gather=True)
             for (source, cache), specs in self._group(reads).items():
                 start = getattr(source, "start", None) if self.inline else None
                 cache.prefetch(specs, source.read, start=start)

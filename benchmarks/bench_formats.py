@@ -20,6 +20,7 @@ of ``--repeat``:
 | hdf5-gzip | HDF5 chunked, gzip level 1 | ``h5py`` → ``cp.asarray`` |
 | zarr2-blosc | Zarr v2, blosc lz4 level 5 + byte shuffle (Zarr v2's default) | zarr-python, ``enable_gpu``, TensorStore |
 | hdf5-bitshuffle | HDF5 chunked, bitshuffle + LZ4 (filter 32008, Dectris detectors) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
+| hdf5-blosc | HDF5 chunked, Blosc LZ4 level 5 + byte shuffle (filter 32001) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
 
 Derived rows (``--ops``, or ``--derived`` for all four): ``max(axis=0)`` (MIP), the slice
 ``[1:half+1]`` off chunk boundaries, ``astype("f8").sum()`` and ``mean()``, each as GB/s of
@@ -205,6 +206,20 @@ def write_hdf5_bitshuffle(folder: str, g: Geometry) -> str:
     return path
 
 
+def write_hdf5_blosc(folder: str, g: Geometry) -> str:
+    """HDF5 chunks of (8, 512, 512) through hdf5plugin's Blosc filter (32001): LZ4 with byte shuffle."""
+    import h5py
+    import hdf5plugin
+
+    path = os.path.join(folder, "blosc.h5")
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("data", shape=(g.n, g.side, g.side), dtype="uint16", chunks=g.clip((8, 512, 512)),
+                              **hdf5plugin.Blosc(cname="lz4", clevel=5, shuffle=hdf5plugin.Blosc.SHUFFLE))
+        for z0 in range(0, g.n, 8):
+            ds[z0:z0 + 8] = _slab(g, z0, min(z0 + 8, g.n))
+    return path
+
+
 def write_hdf5(folder: str, g: Geometry, *, gzip: bool) -> str:
     """Chunks of (8, 512, 512); gzip chunks compressed in a thread pool and written with
     ``write_direct_chunk`` (h5py's own gzip is single-threaded: 335 s per GiB)."""
@@ -244,11 +259,12 @@ WRITERS: dict[str, Callable[[str, Geometry], str]] = {
     "hdf5-gzip": lambda d, g: write_hdf5(d, g, gzip=True),
     "zarr2-blosc": write_zarr2_blosc,
     "hdf5-bitshuffle": write_hdf5_bitshuffle,
+    "hdf5-blosc": write_hdf5_blosc,
     "zarr-lz4": write_zarr_lz4,
     "tiff-deflate": write_tiff_deflate,
 }
 DEFAULT_ONLY = ("raw,tiff,zarr,zarr-zstd,zarr-zstd-sharded,zarr-3d,zarr-zstd-3d,hdf5,hdf5-gzip,zarr2-blosc,"
-                "hdf5-bitshuffle,zarr-lz4,tiff-deflate")
+                "hdf5-bitshuffle,hdf5-blosc,zarr-lz4,tiff-deflate")
 
 
 class Store:
@@ -513,7 +529,7 @@ def _refs(fmt: str, path: str, device: str, g: Geometry, limit: int) -> dict[str
     if fmt.startswith("hdf5"):
         import h5py
 
-        if fmt == "hdf5-bitshuffle":
+        if fmt in ("hdf5-bitshuffle", "hdf5-blosc"):
             import hdf5plugin  # noqa: F401  (registers the filter with HDF5)
 
         def h5() -> Any:

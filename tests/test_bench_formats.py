@@ -40,14 +40,14 @@ def _read_back(fmt, path):
         return zarr.open_array(path, mode="r")[:]
     import h5py
 
-    if fmt == "hdf5-bitshuffle":
+    if fmt in ("hdf5-bitshuffle", "hdf5-blosc"):
         pytest.importorskip("hdf5plugin")
     with h5py.File(path, "r") as f:
         return f["data"][:]
 
 
 @pytest.mark.parametrize("fmt", ["raw", "tiff", "zarr-zstd-sharded", "zarr-zstd-3d", "zarr2-blosc", "hdf5-gzip",
-                                 "hdf5-bitshuffle"])
+                                 "hdf5-bitshuffle", "hdf5-blosc"])
 def test_writers_write_the_volume_in_parallel(bench, tmp_path, fmt):
     # 24 planes of 48 x 48: slabs of 8 (and shards and 3D chunks clipped to the volume) in a thread pool
     g = bench.Geometry(24, 48)

@@ -249,6 +249,30 @@ class ChunkSpec:
                 at += t.range.nbytes
         return out
 
+    def leading(self, start: int, stop: int) -> ChunkSpec | None:
+        """Slices ``[start, stop)`` of the chunk along axis 0 as a chunk of their own (their bytes
+        only), or ``None`` when the chunk is not read as is in C order (decoded, tiled, ``"F"``).
+
+        For a read that needs part of a chunk (a box off the chunk boundaries): the part's bytes
+        are one span of the chunk's bytes. The part has a key of its own.
+
+        >>> c = ChunkSpec((ByteRange("a", 0, 6), ByteRange("b", 10, 10)), (4, 2), "<u2", index=(3, 0))
+        >>> c.leading(1, 3).ranges, c.leading(1, 3).shape, c.leading(1, 3).index
+        ((ByteRange(path='a', offset=4, nbytes=2), ByteRange(path='b', offset=10, nbytes=6)), (2, 2), (3, 0))
+        """
+        if self.is_assembled or self.order != "C" or not self.shape or not 0 <= start < stop <= self.shape[0]:
+            return None
+        step = self.out_nbytes // self.shape[0]
+        lo, hi = start * step, stop * step
+        ranges, at = [], 0
+        for r in self.ranges:
+            a, b = max(lo, at), min(hi, at + r.nbytes)
+            if a < b:
+                ranges.append(ByteRange(r.path, r.offset + a - at, b - a))
+            at += r.nbytes
+        return ChunkSpec(tuple(ranges), (stop - start,) + tuple(self.shape[1:]), self.dtype, "C",
+                         identity=self.identity, index=self.index)
+
     @property
     def needs_byteswap(self) -> bool:
         dt = np.dtype(self.dtype)

@@ -89,9 +89,11 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 order: str = "C") -> Any:
     """The box ``region`` (``(start, stop)`` per axis) of the array ``specs`` describes, read into one array.
 
-    A chunk wholly inside the box reads straight into its slice of the result; a chunk the
-    box cuts reads into an array of its own (from the cache when it is there), whose overlap
-    is copied in as it lands. Chunks outside the box are not read.
+    A chunk wholly inside the box reads straight into its slice of the result; so do the
+    bytes of a chunk the box cuts along axis 0 only, when they are stored as is (a slab of
+    planes is one span of its bytes); another chunk the box cuts reads into an array of its
+    own (from the cache when it is there), whose overlap is copied in as it lands. Chunks
+    outside the box are not read.
     """
     from gpulazy.integrity import check_all_unchanged
     from gpulazy.memory import retry_on_oom
@@ -116,11 +118,14 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 if not (cache is not None and cache.read_into(spec, view)):
                     todo.append((spec, view))
                 continue
-            cuts[spec.key] = (src, dst)
             hit = cache.get_cached([spec])[0] if cache is not None else None
+            part = None if hit is not None or source.verify else _slab(spec, src)
             if hit is not None:
                 _copy_part(out, dst, hit, src, dev)
+            elif part is not None:
+                todo.append((part, out[dst + (Ellipsis,)]))
             else:
+                cuts[spec.key] = (src, dst)
                 todo.append((spec, None))
 
         def landed(spec: ChunkSpec, arr: Any) -> None:
@@ -131,6 +136,15 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
         read_in_order(todo, source.backend_instance(), source.verify, landed, max(STAGED, inflight_room(dev)))
     check_all_unchanged(needed)  # written to during the reads: bytes may be mixed
     return out
+
+
+def _slab(spec: ChunkSpec, src: tuple) -> ChunkSpec | None:
+    """The part ``src`` of ``spec`` as a chunk of its own, when it is whole but along axis 0 and the
+    bytes are stored as is (``ChunkSpec.leading``); else ``None``. (Not with ``verify``: checksums
+    cover whole chunks.)"""
+    if any(s != slice(0, n) for s, n in zip(src[1:], spec.shape[1:])):
+        return None
+    return spec.leading(src[0].start, src[0].stop)
 
 
 def _overlap(index: tuple, edges: list, region: tuple) -> tuple[tuple, tuple, bool]:

@@ -157,6 +157,17 @@ def identity_from_stat(path: str, st: os.stat_result) -> FileIdentity:
     return FileIdentity.from_stat(path, st)
 
 
+def _span(ranges: tuple[ByteRange, ...], lo: int, hi: int) -> tuple[ByteRange, ...]:
+    """Bytes ``[lo, hi)`` of the concatenation of ``ranges``, as ranges."""
+    out, at = [], 0
+    for r in ranges:
+        a, b = max(lo, at), min(hi, at + r.nbytes)
+        if a < b:
+            out.append(ByteRange(r.path, r.offset + a - at, b - a))
+        at += r.nbytes
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkSpec:
     """One chunk: byte ranges that, concatenated in order, are the chunk's bytes.
@@ -251,27 +262,40 @@ class ChunkSpec:
 
     def leading(self, start: int, stop: int) -> ChunkSpec | None:
         """Slices ``[start, stop)`` of the chunk along axis 0 as a chunk of their own (their bytes
-        only), or ``None`` when the chunk is not read as is in C order (decoded, tiled, ``"F"``).
+        only), or ``None`` when the chunk's bytes are not stored as is in C order (decoded, ``"F"``).
 
         For a read that needs part of a chunk (a box off the chunk boundaries): the part's bytes
-        are one span of the chunk's bytes. The part has a key of its own.
+        are one span of the chunk's bytes, or of each stored piece it is made of (uncompressed
+        Zarr chunks gathered into one chunk). The part has a key of its own.
 
         >>> c = ChunkSpec((ByteRange("a", 0, 6), ByteRange("b", 10, 10)), (4, 2), "<u2", index=(3, 0))
         >>> c.leading(1, 3).ranges, c.leading(1, 3).shape, c.leading(1, 3).index
         ((ByteRange(path='a', offset=4, nbytes=2), ByteRange(path='b', offset=10, nbytes=6)), (2, 2), (3, 0))
         """
-        if self.is_assembled or self.order != "C" or not self.shape or not 0 <= start < stop <= self.shape[0]:
+        if self.codec is not None or self.order != "C" or not self.shape or not 0 <= start < stop <= self.shape[0]:
             return None
-        step = self.out_nbytes // self.shape[0]
-        lo, hi = start * step, stop * step
-        ranges, at = [], 0
-        for r in self.ranges:
-            a, b = max(lo, at), min(hi, at + r.nbytes)
-            if a < b:
-                ranges.append(ByteRange(r.path, r.offset + a - at, b - a))
-            at += r.nbytes
-        return ChunkSpec(tuple(ranges), (stop - start,) + tuple(self.shape[1:]), self.dtype, "C",
-                         identity=self.identity, index=self.index)
+        itemsize = np.dtype(self.dtype).itemsize
+        shape = (stop - start,) + tuple(self.shape[1:])
+        if not self.tiles:
+            step = self.out_nbytes // self.shape[0]
+            return ChunkSpec(_span(self.ranges, start * step, stop * step), shape, self.dtype, "C",
+                             identity=self.identity, index=self.index)
+        tiles = []
+        for t in self.tiles:
+            if t.order != "C" or not t.shape:
+                return None
+            step = math.prod(t.shape[1:]) * itemsize
+            if t.range is not None and t.range.nbytes != t.shape[0] * step:
+                return None  # not the tile's elements as is
+            o = t.origin[0]
+            a, b = max(start, o) - o, min(stop, o + t.shape[0]) - o
+            if a >= b:
+                continue
+            sub = None if t.range is None else ByteRange(t.range.path, t.range.offset + a * step, (b - a) * step)
+            tiles.append(Tile(sub, (b - a,) + tuple(t.shape[1:]), (o + a - start,) + tuple(t.origin[1:]), "C"))
+        ranges = tuple(t.range for t in tiles if t.range is not None)
+        return ChunkSpec(ranges, shape, self.dtype, "C", identity=self.identity, index=self.index,
+                         tiles=tuple(tiles), fill_value=self.fill_value)
 
     @property
     def needs_byteswap(self) -> bool:

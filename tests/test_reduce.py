@@ -232,6 +232,31 @@ def test_a_box_cut_along_axis_0_reads_only_its_planes(tmp_path, device):
     np.testing.assert_array_equal(to_host(vol[3:35, 1:4].compute()), data[3:35, 1:4])
 
 
+@given(planes=st.integers(2, 40), stored=st.tuples(st.integers(1, 12), st.integers(1, 7), st.integers(1, 9)),
+       lo=st.integers(0, 39), n=st.integers(1, 40), missing=st.booleans())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_box_of_gathered_zarr_chunks_reads_only_its_planes(tmp_path_factory, planes, stored, lo, n, missing):
+    """Uncompressed Zarr chunks gathered into one array chunk (tiles): a box cut along axis 0 reads
+    each stored chunk's planes it needs, and equals zarr-python (missing chunks read as the fill)."""
+    zarr = pytest.importorskip("zarr")
+    lo = min(lo, planes - 1)
+    hi = min(planes, lo + n)
+    data = np.random.default_rng(planes).integers(0, 999, (planes, 7, 9)).astype("<u2")
+    p = str(tmp_path_factory.mktemp("z") / "v.zarr")
+    z = zarr.create_array(p, shape=data.shape, chunks=stored, dtype="<u2", compressors=None, fill_value=5)
+    z[...] = data
+    if missing:  # one stored chunk never written
+        z[:stored[0], :stored[1], :stored[2]] = 5
+    want = z[...]
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(planes, 7, 9))  # one chunk of tiles
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    got = vol[lo:hi].compute()
+    np.testing.assert_array_equal(got, want[lo:hi])
+    tile_plane = stored[1] * stored[2] * 2  # bytes of one plane of a stored chunk (edge ones are whole too)
+    tiles_per_plane = -(-7 // stored[1]) * -(-9 // stored[2])
+    assert gpulazy.stats().snapshot()["bytes_read"] - before <= (hi - lo) * tile_plane * tiles_per_plane
+
+
 def test_a_box_with_verify_reads_whole_chunks(tmp_path):
     from gpulazy import checksums
 

@@ -1,5 +1,8 @@
 """Motion-aware prefetch in a viewer: ``viewer.dims`` events feed ``gpulazy.prefetch.motion``.
 
+The same per-viewer hook shows large volumes' coarse level while the viewer is in 3-D
+(``_volume.VolumeSwap``).
+
 ``attach(viewer)`` connects one ``ViewerPrefetch`` to ``viewer.dims.events.current_step``
 (napari runs its own slicing first, whatever position a plugin asks for). On each step it
 finds the axis that moved and, for every layer whose data is a gpulazy ``HostView``,
@@ -62,6 +65,10 @@ class ViewerPrefetch:
         self.errors = 0
         self.last_error: str | None = None
         viewer.dims.events.current_step.connect(self._on_step, position="last")
+        from napari_gpulazy._volume import VolumeSwap
+
+        #: A coarse level of each large volume while the viewer is in 3-D (``_volume``).
+        self.volumes = VolumeSwap(viewer)
 
     @property
     def viewer(self) -> Any:
@@ -89,6 +96,7 @@ class ViewerPrefetch:
         viewer = self.viewer
         if viewer is not None:
             viewer.dims.events.current_step.disconnect(self._on_step)
+        self.volumes.close()
         for ref in self._claimed.values():
             view = ref()
             if view is not None:

@@ -352,6 +352,91 @@ def test_lazy_pyramid_for_large_planes(model, tmp_path):
     np.testing.assert_allclose(np.asarray(levels[2][2]), want2, atol=1.0)  # rounded at each level
 
 
+def _block_mean(data: np.ndarray, factors: tuple) -> np.ndarray:
+    """Means over blocks of ``factors`` on the last three axes (the excess trimmed), as float64."""
+    trimmed = data[tuple(slice(0, n - n % f) for n, f in zip(data.shape, factors))]
+    z, y, x = (n // f for n, f in zip(trimmed.shape, factors))
+    return trimmed.reshape(z, factors[0], y, factors[1], x, factors[2]).astype("f8").mean(axis=(1, 3, 5))
+
+
+@given(shape=st.tuples(st.integers(1, 40), st.integers(1, 40), st.integers(1, 40)),
+       budget=st.integers(1, 4000), side=st.integers(1, 64))
+@settings(max_examples=40, deadline=None)
+def test_a_coarse_volume_fits_its_budget_and_is_the_block_mean(shape, budget, side):
+    import dask.array as da
+
+    from napari_gpulazy._volume import coarse_volume
+
+    data = np.random.default_rng(sum(shape)).integers(0, 60000, shape, dtype="u2")
+    found = coarse_volume(da.from_array(data, chunks=7), max_bytes=budget, max_side=side)
+    if found is None:  # it fits already, or even one voxel would not
+        assert (data.nbytes <= budget and max(shape) <= side) or budget < data.itemsize
+        return
+    level, factors = found
+    got = level.compute()
+    assert got.dtype == np.uint16 and got.nbytes <= budget and max(got.shape) <= side
+    assert all(f & (f - 1) == 0 for f in factors)  # powers of two
+    np.testing.assert_array_equal(got, _block_mean(data, factors).round().astype("u2"))
+
+
+def test_the_3d_view_shows_a_coarse_level_and_2d_gets_its_plane_back(model, tmp_path):
+    from napari_gpulazy import attach, read_layers
+
+    data = np.random.default_rng(9).random((24, 40, 36), dtype="f4")  # 135 KiB
+    p = str(tmp_path / "vol.npy")
+    np.save(p, data)
+    hook = attach(model)
+    hook.volumes.max_bytes = 16 << 10
+    ((view, kwargs, _),) = read_layers(p, prefetch=False)
+    layer = model.add_image(view, **kwargs)
+    model.dims.set_current_step(0, 17)
+    plane = _shown(layer).copy()
+    np.testing.assert_array_equal(plane, data[17])
+
+    model.dims.ndisplay = 3
+    assert hook.volumes.swapped == [layer]
+    factors = layer.metadata["gpulazy"]["volume"]["factors"]
+    shown = np.asarray(layer._slice.image.raw)
+    assert shown.nbytes <= 16 << 10 and shown.shape == layer.metadata["gpulazy"]["volume"]["shape"]
+    np.testing.assert_allclose(shown, _block_mean(data, factors), rtol=1e-5)
+    # The same world extent: a block's mean sits at the block's centre.
+    np.testing.assert_allclose(layer.scale, factors)
+    np.testing.assert_allclose(layer.translate, (np.array(factors) - 1) / 2)
+
+    model.dims.ndisplay = 2
+    assert hook.volumes.swapped == [] and layer.data is view and "volume" not in layer.metadata["gpulazy"]
+    assert tuple(layer.scale) == (1, 1, 1) and tuple(layer.translate) == (0, 0, 0)
+    assert model.dims.current_step[0] == 17
+    np.testing.assert_array_equal(_shown(layer), plane)  # the plane of the file, as before
+
+
+def test_small_volumes_and_pyramids_stay_as_they_are_in_3d(model, volume):
+    from napari_gpulazy import attach, read_layers
+
+    hook = attach(model)  # the default budget: 64 MiB, far above this volume
+    ((view, kwargs, _),) = read_layers(volume[0], prefetch=False)
+    layer = model.add_image(view, **kwargs)
+    model.dims.ndisplay = 3
+    assert hook.volumes.swapped == [] and layer.data is view
+    np.testing.assert_array_equal(np.asarray(layer._slice.image.raw), volume[1])
+
+
+def test_a_layer_opened_in_3d_shows_its_coarse_level(model, tmp_path):
+    from napari_gpulazy import attach, read_layers
+
+    data = np.random.default_rng(3).random((16, 32, 32), dtype="f4")
+    p = str(tmp_path / "v.npy")
+    np.save(p, data)
+    hook = attach(model)
+    hook.volumes.max_bytes = 8 << 10
+    model.dims.ndisplay = 3
+    ((view, kwargs, _),) = read_layers(p, prefetch=False)
+    layer = model.add_image(view, **kwargs)
+    assert hook.volumes.swapped == [layer] and np.asarray(layer._slice.image.raw).nbytes <= 8 << 10
+    model.dims.ndisplay = 2
+    assert layer.data is view
+
+
 def test_pyramid_is_skipped_for_small_planes(volume):
     from napari_gpulazy import read_layers
 
@@ -748,6 +833,26 @@ def test_gpu_display_path_prefetch_and_pyramid(model, tmp_path):
         np.testing.assert_allclose(np.asarray(levels[1][5]), want, rtol=1e-6)  # means taken on the GPU
     finally:
         cache.close()
+
+
+@pytest.mark.gpu
+def test_gpu_3d_view_shows_a_coarse_level_taken_on_the_device(model, tmp_path):
+    from napari_gpulazy import attach, read_layers
+
+    data = np.random.default_rng(8).random((20, 48, 40), dtype="f4")
+    p = str(tmp_path / "g3.npy")
+    np.save(p, data)
+    hook = attach(model)
+    hook.volumes.max_bytes = 16 << 10
+    ((view, kwargs, _),) = read_layers(p, device="cuda:0", prefetch=False, chunks=(6, 48, 40))
+    layer = model.add_image(view, **kwargs)
+    model.dims.ndisplay = 3
+    factors = layer.metadata["gpulazy"]["volume"]["factors"]
+    shown = np.asarray(layer._slice.image.raw)  # block means taken on the GPU, then to the host
+    assert isinstance(shown, np.ndarray) and shown.nbytes <= 16 << 10
+    np.testing.assert_allclose(shown, _block_mean(data, factors), rtol=1e-5)
+    model.dims.ndisplay = 2
+    np.testing.assert_array_equal(_shown(layer), data[model.dims.current_step[0]])
 
 
 @pytest.mark.gpu

@@ -1,0 +1,159 @@
+"""napari's 3-D view of a large volume: a coarse level built on the device, shown while in 3-D.
+
+napari volume-renders a single-scale layer whole: switching a 512 x 2048 x 2048 float32 volume
+to 3-D would read all 8 GiB, copy them to the host and upload them as one texture (larger than
+GPUs' 3-D texture limit, 2048 a side on most). ``VolumeSwap`` follows ``viewer.dims.ndisplay``:
+entering 3-D, each gpulazy layer whose volume (its last three axes) is larger than
+``VOLUME_BYTES`` shows a coarse level instead (``coarse_volume``: means over blocks of a power of
+two a side, computed by dask from the full-resolution chunks on their device, through the
+device cache); leaving 3-D gives the layer back its data, scale, translation and the plane it
+showed.
+
+Why a swap and not one more level of a multiscale layer: napari's 2-D view picks the coarsest
+level still larger than the canvas, and a level averaged along axis -3 holds no plane of the
+file; napari's ``ViewerModel`` (no canvas) even starts 2-D views at the coarsest level. The 2-D
+view must only ever show planes of the file.
+
+Layers with a pyramid (stored, or built for planes larger than ``_view.PYRAMID_MIN_SIDE``) are
+left to napari, which renders their coarsest level. Imports no Qt.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import numpy as np
+
+__all__ = ["VolumeSwap", "coarse_volume", "VOLUME_BYTES", "VOLUME_SIDE"]
+
+#: A volume larger than this shows a coarse level in napari's 3-D view: 256³ float32 voxels.
+VOLUME_BYTES = 64 << 20
+#: Nor is any side of that level longer than this (GPUs' 3-D textures stop at 2048 a side).
+VOLUME_SIDE = 1024
+
+
+def coarse_volume(array: Any, *, max_bytes: int = VOLUME_BYTES, max_side: int = VOLUME_SIDE
+                  ) -> tuple[Any, tuple[int, int, int]] | None:
+    """``(level, factors)``: ``array`` averaged over blocks of ``factors`` on its last three axes,
+    halving the longest side until the volume holds at most ``max_bytes`` and no side is longer
+    than ``max_side``; ``None`` when it already fits (or is no volume).
+
+    The level is lazy (a dask array over ``array``'s chunks, on their device); integer data is
+    rounded back to its dtype, as the 2-D pyramid's levels are (``_view.pyramid``).
+
+    >>> import dask.array as da, numpy as np
+    >>> level, factors = coarse_volume(da.ones((8, 64, 64), dtype="u1", chunks=8), max_bytes=1024)
+    >>> level.shape, factors
+    ((8, 8, 16), (1, 8, 4))
+    """
+    import dask.array as da
+
+    from napari_gpulazy._view import _mean_keep_dtype
+
+    if array.ndim < 3 or min(array.shape[-3:]) < 1:
+        return None
+    shape, factors = list(array.shape[-3:]), [1, 1, 1]
+
+    def size(k: int) -> int:
+        return shape[k] // factors[k]
+
+    def too_big() -> bool:
+        return (math.prod(size(k) for k in range(3)) * array.dtype.itemsize > max_bytes
+                or max(size(k) for k in range(3)) > max_side)
+
+    if not too_big():
+        return None
+    while too_big():
+        k = max(range(3), key=size)
+        if size(k) < 2:
+            return None
+        factors[k] *= 2
+    axes = {array.ndim - 3 + k: f for k, f in enumerate(factors) if f > 1}
+    level = da.coarsen(_mean_keep_dtype, array, axes, trim_excess=True, dtype=array.dtype)
+    return level, (factors[0], factors[1], factors[2])
+
+
+class VolumeSwap:
+    """Show a coarse level of each large gpulazy volume while ``viewer`` is in 3-D (see the module)."""
+
+    def __init__(self, viewer: Any, *, max_bytes: int = VOLUME_BYTES, max_side: int = VOLUME_SIDE):
+        self._viewer = weakref.ref(viewer)
+        self.max_bytes, self.max_side = max_bytes, max_side
+        self._saved: dict[int, tuple[Any, Any, np.ndarray, np.ndarray]] = {}  # id(layer) -> what it had
+        self._step: tuple[int, ...] | None = None
+        viewer.dims.events.ndisplay.connect(self._on_ndisplay)
+        viewer.layers.events.inserted.connect(self._on_inserted)
+        if viewer.dims.ndisplay == 3:
+            self.enter()
+
+    def close(self) -> None:
+        viewer = self._viewer()
+        if viewer is None:
+            return
+        self.leave()
+        viewer.dims.events.ndisplay.disconnect(self._on_ndisplay)
+        viewer.layers.events.inserted.disconnect(self._on_inserted)
+
+    @property
+    def swapped(self) -> list[Any]:
+        """The layers showing a coarse level now."""
+        return [layer for layer in (ref() for ref, *_ in self._saved.values()) if layer is not None]
+
+    def _on_ndisplay(self, event: Any) -> None:
+        if event.value == 3:
+            self.enter()
+        else:
+            self.leave()
+
+    def _on_inserted(self, event: Any) -> None:
+        viewer = self._viewer()
+        if viewer is not None and viewer.dims.ndisplay == 3:
+            self._swap(event.value)
+
+    def enter(self) -> None:
+        """Swap in the coarse level of every large gpulazy volume of the viewer."""
+        viewer = self._viewer()
+        if viewer is None:
+            return
+        if self._step is None:
+            self._step = tuple(viewer.dims.current_step)
+        for layer in list(viewer.layers):
+            self._swap(layer)
+
+    def leave(self) -> None:
+        """Give every swapped layer back its data, scale and translation, and the viewer its plane."""
+        viewer = self._viewer()
+        for ref, view, scale, translate in list(self._saved.values()):
+            layer = ref()
+            if layer is None:
+                continue
+            layer.data = view
+            layer.scale, layer.translate = scale, translate
+            layer.metadata.get("gpulazy", {}).pop("volume", None)
+        self._saved.clear()
+        step, self._step = self._step, None
+        if viewer is not None and step is not None and len(step) == len(viewer.dims.current_step):
+            viewer.dims.current_step = step
+
+    def _swap(self, layer: Any) -> None:
+        from napari_gpulazy._view import HostView
+
+        view = getattr(layer, "data", None)
+        if not isinstance(view, HostView) or getattr(layer, "multiscale", False) or id(layer) in self._saved:
+            return
+        found = coarse_volume(view.array, max_bytes=self.max_bytes, max_side=self.max_side)
+        if found is None:
+            return
+        level, factors = found
+        scale, translate = np.array(layer.scale, dtype=float), np.array(layer.translate, dtype=float)
+        f = np.ones(layer.ndim)
+        f[-3:] = factors
+        self._saved[id(layer)] = (weakref.ref(layer), view, scale, translate)
+        layer.data = HostView(level, label=view.label, target=view.target, transfers=view.transfers)
+        # A block's mean sits at the block's centre: (f - 1) / 2 voxels in from its first voxel.
+        layer.scale, layer.translate = scale * f, translate + (f - 1) / 2 * scale
+        layer.metadata.setdefault("gpulazy", {})["volume"] = {
+            "shape": tuple(level.shape), "factors": factors,
+            "from": "means over blocks of the full-resolution chunks, for the 3-D view"}

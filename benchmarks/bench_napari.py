@@ -24,6 +24,8 @@ rate and the ratios, and writes everything with ``--json PATH``. ``--repeat N`` 
 pass N times (the jump's latency is then the median of N, and its max is shown);
 ``--compare`` runs gpulazy twice, reading a plane's chunks one after another as before
 (``gpulazy-serial``: ``napari_gpulazy._view.PLANE_FIRST = False``) and plane first.
+``--floor`` (raw only) also steps through the volume held in host memory as a NumPy array:
+napari's own cost per step, below which no reader can show a plane.
 
 ``--drop-page-cache`` evicts every file of the volume (each Zarr chunk file too) before each
 cold and prefetch pass, checks with ``mincore`` that at most ``--resident-max`` of its pages
@@ -238,6 +240,9 @@ def open_way(way: str, path: str, args: argparse.Namespace, cache: Any) -> tuple
         return data, kwargs, data.array.chunks
     import dask.array as da
 
+    if way == "memory":  # napari's own floor: the whole volume in host memory, no reader at all
+        data = np.fromfile(path, dtype=np.float32).reshape(args.planes, args.size, args.size)
+        return data, {"name": "memory"}, tuple((n,) for n in data.shape)
     if args.format == "tiff":
         import tifffile
 
@@ -282,7 +287,7 @@ def run_ways(ways: list[str], path: str, args: argparse.Namespace, planes: list[
             out[way] = {"chunks": [int(c[0]) for c in chunks],
                         "chunk_bytes": int(np.prod([c[0] for c in chunks])) * itemsize}
         for name in ("cold", "cached", "prefetch"):
-            runs: dict[str, list] = {w: [] for w in ways if not (w == "dask" and name == "prefetch")}
+            runs: dict[str, list] = {w: [] for w in ways if not (w in ("dask", "memory") and name == "prefetch")}
             for _ in range(args.repeat):  # plain dask has no read-ahead: stepping is its cold pass
                 for way, done in runs.items():
                     _view.PLANE_FIRST = way != "gpulazy-serial"
@@ -363,7 +368,7 @@ def summarise(runs: list[dict[str, Any]], split: int) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = ["| way | pass | forward p50 ms | forward p95 ms | jump ms | after jump p95 ms | hit rate |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for way in ("gpulazy-serial", "gpulazy", "dask"):
+    for way in ("gpulazy-serial", "gpulazy", "dask", "memory"):
         for name in ("cold", "cached", "prefetch"):
             row = result.get(way, {}).get(name)
             if row is None:
@@ -386,7 +391,9 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
             "after_jump_p95_ms": pre["after_jump"]["p95_ms"],
             "hit_rate": pre["hit_rate"], "hit_rate_ok": pre["hit_rate"] >= TARGET_HIT_RATE,
             "dask_p95_ms": dask_p95, "dask_over_gpulazy_p95": dask_p95 / p95 if p95 > 0 else float("inf"),
-            "speedup_ok": dask_p95 >= TARGET_SPEEDUP * p95}
+            "speedup_ok": dask_p95 >= TARGET_SPEEDUP * p95,
+            # napari's own cost of a step over a volume already in host memory: what no reader goes below
+            "memory_p95_ms": result.get("memory", {}).get("cached", {}).get("forward", {}).get("p95_ms")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="run each pass this many times (jump: median)")
     ap.add_argument("--compare", action="store_true",
                     help="also run gpulazy reading a plane's chunks one after another (as before plane first)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also step through the volume held in host memory (raw only): napari's own cost per step")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip checking the shown planes")
     ap.add_argument("--keep", action="store_true", help="keep the volume file")
     ap.add_argument("--json", default=None, help="write every figure here ('-' for stdout)")
@@ -430,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, key, value)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.floor and args.format != "raw":
+        ap.error("--floor holds the raw volume in memory: --format raw only")
 
     import gpulazy
 
@@ -454,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
           f"device {args.device}; {len(forward)} steps at {args.rate:g} planes/s, then a jump to {jump}", flush=True)
     result: dict[str, Any] = {"args": vars(args), "volume_bytes": _size(path), "python": sys.version.split()[0]}
     try:
-        ways = (["gpulazy-serial"] if args.compare else []) + ["gpulazy", "dask"]
+        ways = (["gpulazy-serial"] if args.compare else []) + ["gpulazy", "dask"] + (["memory"] if args.floor else [])
         result.update(run_ways(ways, path, args, forward + after, len(forward)))
     finally:
         if not args.keep:
@@ -473,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{t['after_jump_p95_ms']:.2f} ms · hit rate {t['hit_rate']:.3f} (target >= {TARGET_HIT_RATE}) · plain dask "
           f"p95 {t['dask_p95_ms']:.2f} ms = {t['dask_over_gpulazy_p95']:.1f}x gpulazy prefetch (target >= "
           f"{TARGET_SPEEDUP:g})")
+    if t["memory_p95_ms"] is not None:
+        print(f"napari stepping through the volume held in host memory: p95 {t['memory_p95_ms']:.2f} ms "
+              f"(no reader can show a plane faster)")
     if args.json:
         text = json.dumps(result, indent=2, default=str)
         if args.json == "-":

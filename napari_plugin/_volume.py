@@ -7,7 +7,9 @@ entering 3-D, each gpulazy layer whose volume (its last three axes) is larger th
 ``VOLUME_BYTES`` shows a coarse level instead (``coarse_volume``: means over blocks of a power of
 two a side, computed by dask from the full-resolution chunks on their device, through the
 device cache); leaving 3-D gives the layer back its data, scale, translation and the plane it
-showed.
+showed. What it does not avoid: napari slices the full-resolution volume once when the view
+switches, before any plugin's callback runs (napari keeps its own callbacks first); the coarse
+level then replaces it, so napari draws and keeps 64 MiB instead of the whole volume.
 
 Why a swap and not one more level of a multiscale layer: napari's 2-D view picks the coarsest
 level still larger than the canvas, and a level averaged along axis -3 holds no plane of the
@@ -83,6 +85,8 @@ class VolumeSwap:
         self.max_bytes, self.max_side = max_bytes, max_side
         self._saved: dict[int, tuple[Any, Any, np.ndarray, np.ndarray]] = {}  # id(layer) -> what it had
         self._step: tuple[int, ...] | None = None
+        # napari runs its own callbacks before any plugin's (EventEmitter.connect keeps them first), so
+        # napari has sliced the full-resolution volume once in 3-D by the time this one swaps.
         viewer.dims.events.ndisplay.connect(self._on_ndisplay)
         viewer.layers.events.inserted.connect(self._on_inserted)
         if viewer.dims.ndisplay == 3:
@@ -147,13 +151,36 @@ class VolumeSwap:
         if found is None:
             return
         level, factors = found
+        data = _held(level, view, self.max_bytes)
+        if data is None:
+            return
         scale, translate = np.array(layer.scale, dtype=float), np.array(layer.translate, dtype=float)
         f = np.ones(layer.ndim)
         f[-3:] = factors
         self._saved[id(layer)] = (weakref.ref(layer), view, scale, translate)
-        layer.data = HostView(level, label=view.label, target=view.target, transfers=view.transfers)
+        layer.data = data
         # A block's mean sits at the block's centre: (f - 1) / 2 voxels in from its first voxel.
         layer.scale, layer.translate = scale * f, translate + (f - 1) / 2 * scale
         layer.metadata.setdefault("gpulazy", {})["volume"] = {
             "shape": tuple(level.shape), "factors": factors,
             "from": "means over blocks of the full-resolution chunks, for the 3-D view"}
+
+
+def _held(level: Any, view: Any, max_bytes: int) -> Any:
+    """What the layer shows in 3-D: ``level`` computed once into host memory when it is one volume
+    (napari slices a layer again on each change of its data, scale and translation: a lazy level
+    would be computed each time), else a lazy ``HostView`` that napari slices per time point.
+    ``None`` (after telling the user) when reading it failed."""
+    from napari_gpulazy._view import HostView, notify_read_error
+
+    if level.nbytes > 4 * max_bytes:
+        return HostView(level, label=view.label, target=view.target, transfers=view.transfers)
+    from gpulazy.convert import to_numpy
+
+    try:
+        held = to_numpy(level.compute())
+    except Exception as e:  # the 3-D view stays as napari has it; the user is told which file failed
+        notify_read_error(view.label, e)
+        return None
+    view.transfers.add(held.nbytes)
+    return held

@@ -437,6 +437,28 @@ def test_a_layer_opened_in_3d_shows_its_coarse_level(model, tmp_path):
     assert layer.data is view
 
 
+def test_a_damaged_file_in_3d_is_named_and_the_layer_keeps_its_data(model, tmp_path):
+    from napari_gpulazy import attach, read_layers
+
+    data = np.random.default_rng(4).random((16, 32, 32), dtype="f4")
+    p = str(tmp_path / "bad3d.npy")
+    np.save(p, data)
+    hook = attach(model)
+    hook.volumes.max_bytes = 8 << 10
+    with gpulazy.config.set(cache=False):
+        ((view, kwargs, _),) = read_layers(p, prefetch=False)
+        layer = model.add_image(view, **kwargs)
+        with open(p, "r+b") as f:
+            f.truncate(1000)
+        with _notifications() as seen:
+            try:
+                model.dims.ndisplay = 3
+            except OSError:
+                pass  # napari's own 3-D slice of the full volume fails too, naming the file
+    assert hook.volumes.swapped == [] and layer.data is view
+    assert any(p in str(n.message) and "gpulazy could not read" in str(n.message) for n in seen)
+
+
 def test_pyramid_is_skipped_for_small_planes(volume):
     from napari_gpulazy import read_layers
 

@@ -275,9 +275,15 @@ def gpulazy_stream(device: Device) -> Any:
     handed out, so a chunk is complete on every stream. The user's current stream is
     never changed.
     """
-    per_thread = getattr(_streams, "by_device", None)
+    return _thread_stream(device, "by_device")
+
+
+def _thread_stream(device: Device, slot: str) -> Any:
+    """This thread's non-blocking stream ``slot`` on ``device``, made on first use."""
+    per_thread = getattr(_streams, slot, None)
     if per_thread is None:
-        per_thread = _streams.by_device = {}
+        per_thread = {}
+        setattr(_streams, slot, per_thread)
     s = per_thread.get(device.index)
     if s is None:
         import cupy
@@ -295,16 +301,7 @@ def staging_stream(device: Device) -> Any:
     a prefetched compute spent 0.28 ms a chunk there. A staged copy is handed out only once
     its own event has completed, so nothing orders other work after it on the stream.
     """
-    per_thread = getattr(_streams, "staging", None)
-    if per_thread is None:
-        per_thread = _streams.staging = {}
-    s = per_thread.get(device.index)
-    if s is None:
-        import cupy
-
-        with device.activate():
-            s = per_thread[device.index] = cupy.cuda.Stream(non_blocking=True)
-    return s
+    return _thread_stream(device, "staging")
 
 
 _VALID = "'cpu', 'cuda', 'cuda:N' (N a device index), 'gpu' or None"

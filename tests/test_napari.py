@@ -379,16 +379,22 @@ def test_a_coarse_volume_fits_its_budget_and_is_the_block_mean(shape, budget, si
     np.testing.assert_array_equal(got, _block_mean(data, factors).round().astype("u2"))
 
 
-def test_the_3d_view_shows_a_coarse_level_and_2d_gets_its_plane_back(model, tmp_path):
+def _large_volume(model, tmp_path, data, max_bytes, **read):
+    """``data`` saved and opened on ``model`` with the plugin's hook, whose 3-D view swaps in a coarse
+    level above ``max_bytes``: ``(hook, view, layer)``."""
     from napari_gpulazy import attach, read_layers
 
-    data = np.random.default_rng(9).random((24, 40, 36), dtype="f4")  # 135 KiB
-    p = str(tmp_path / "vol.npy")
+    p = str(tmp_path / "large.npy")
     np.save(p, data)
     hook = attach(model)
-    hook.volumes.max_bytes = 16 << 10
-    ((view, kwargs, _),) = read_layers(p, prefetch=False)
-    layer = model.add_image(view, **kwargs)
+    hook.volumes.max_bytes = max_bytes
+    ((view, kwargs, _),) = read_layers(p, prefetch=False, **read)
+    return hook, view, model.add_image(view, **kwargs)
+
+
+def test_the_3d_view_shows_a_coarse_level_and_2d_gets_its_plane_back(model, tmp_path):
+    data = np.random.default_rng(9).random((24, 40, 36), dtype="f4")  # 135 KiB
+    hook, view, layer = _large_volume(model, tmp_path, data, 16 << 10)
     model.dims.set_current_step(0, 17)
     plane = _shown(layer).copy()
     np.testing.assert_array_equal(plane, data[17])
@@ -438,16 +444,10 @@ def test_a_layer_opened_in_3d_shows_its_coarse_level(model, tmp_path):
 
 
 def test_a_damaged_file_in_3d_is_named_and_the_layer_keeps_its_data(model, tmp_path):
-    from napari_gpulazy import attach, read_layers
-
     data = np.random.default_rng(4).random((16, 32, 32), dtype="f4")
-    p = str(tmp_path / "bad3d.npy")
-    np.save(p, data)
-    hook = attach(model)
-    hook.volumes.max_bytes = 8 << 10
     with gpulazy.config.set(cache=False):
-        ((view, kwargs, _),) = read_layers(p, prefetch=False)
-        layer = model.add_image(view, **kwargs)
+        hook, view, layer = _large_volume(model, tmp_path, data, 8 << 10)
+        p = view.label
         with open(p, "r+b") as f:
             f.truncate(1000)
         with _notifications() as seen:
@@ -859,15 +859,8 @@ def test_gpu_display_path_prefetch_and_pyramid(model, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_3d_view_shows_a_coarse_level_taken_on_the_device(model, tmp_path):
-    from napari_gpulazy import attach, read_layers
-
     data = np.random.default_rng(8).random((20, 48, 40), dtype="f4")
-    p = str(tmp_path / "g3.npy")
-    np.save(p, data)
-    hook = attach(model)
-    hook.volumes.max_bytes = 16 << 10
-    ((view, kwargs, _),) = read_layers(p, device="cuda:0", prefetch=False, chunks=(6, 48, 40))
-    layer = model.add_image(view, **kwargs)
+    hook, view, layer = _large_volume(model, tmp_path, data, 16 << 10, device="cuda:0", chunks=(6, 48, 40))
     model.dims.ndisplay = 3
     factors = layer.metadata["gpulazy"]["volume"]["factors"]
     shown = np.asarray(layer._slice.image.raw)  # block means taken on the GPU, then to the host

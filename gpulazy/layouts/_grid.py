@@ -130,7 +130,18 @@ def _spec(tiles: tuple[Tile, ...], bshape: tuple[int, ...], dt: str, codec: Any,
         ranges = (tuple(ByteRange(present[0].path, o, n) for o, n in runs) if runs is not None
                   else tuple(present))
         return ChunkSpec(ranges, bshape, dt, tiles[0].order, None, identity, idx)
+    # The pieces in file order, so that pieces stored one after another read as one range: zarr-python
+    # writes a shard's chunks in Morton order, and in grid order the 32 pieces of a chunk of a sharded
+    # 4 GiB store were 32 reads (1024 in all, each about 0.2 ms of the submitting thread on an H100).
+    tiles = tuple(sorted(tiles, key=_file_position))
+    present = [t.range for t in tiles if t.range is not None]
     return ChunkSpec(tuple(present), bshape, dt, "C", codec, identity, idx, tiles, fill_value)
+
+
+def _file_position(tile: Tile) -> tuple:
+    """Where a piece's bytes are (pieces never written last)."""
+    r = tile.range
+    return (0, r.path, r.offset) if r is not None else (1, "", 0)
 
 
 def _in_order(tiles: Sequence[Tile], bshape: tuple[int, ...]) -> bool:

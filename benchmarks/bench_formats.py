@@ -225,13 +225,7 @@ def write_hdf5_blosc(folder: str, g: Geometry) -> str:
     with h5py.File(path, "w") as f:
         ds = f.create_dataset("data", shape=(g.n, g.side, g.side), dtype="uint16", chunks=chunks,
                               compression=32001, compression_opts=cd, allow_unknown_filter=True)
-        with ThreadPoolExecutor(_THREADS) as pool:
-            for z0 in range(0, g.n, cz):
-                slab = _slab(g, z0, min(z0 + cz, g.n))
-                tiles = [(y, x, np.ascontiguousarray(slab[:, y:y + cy, x:x + cx]))
-                         for y in range(0, g.side, cy) for x in range(0, g.side, cx)]
-                for (y, x, _), data in zip(tiles, pool.map(lambda t: codec.encode(t[2]), tiles)):
-                    ds.id.write_direct_chunk((z0, y, x), data)
+        _write_direct_chunks(ds, g, chunks, codec.encode)
     return path
 
 
@@ -243,23 +237,33 @@ def write_hdf5(folder: str, g: Geometry, *, gzip: bool) -> str:
     import h5py
 
     path = os.path.join(folder, "vol.h5")
-    cz, cy, cx = chunks = g.clip((8, 512, 512))
+    chunks = g.clip((8, 512, 512))
+    cz = chunks[0]
     with h5py.File(path, "w") as f:
         ds = f.create_dataset("data", shape=(g.n, g.side, g.side), dtype="uint16", chunks=chunks,
                               compression="gzip" if gzip else None, compression_opts=1 if gzip else None)
-        with ThreadPoolExecutor(_THREADS) as pool:
+        if gzip:
+            _write_direct_chunks(ds, g, chunks, lambda block: zlib.compress(block.tobytes(), 1))
+        else:
             for z0 in range(0, g.n, cz):
-                slab = _slab(g, z0, min(z0 + cz, g.n))
-                if not gzip:
-                    ds[z0:z0 + len(slab)] = slab
-                    continue
-                if len(slab) < cz:
-                    slab = np.concatenate([slab, np.zeros((cz - len(slab), g.side, g.side), np.uint16)])
-                blocks = [(y, x, np.ascontiguousarray(slab[:, y:y + cy, x:x + cx]))
-                          for y in range(0, g.side, cy) for x in range(0, g.side, cx)]
-                for (y, x, _), data in zip(blocks, pool.map(lambda b: zlib.compress(b[2].tobytes(), 1), blocks)):
-                    ds.id.write_direct_chunk((z0, y, x), data)
+                ds[z0:min(z0 + cz, g.n)] = _slab(g, z0, min(z0 + cz, g.n))
     return path
+
+
+def _write_direct_chunks(ds: Any, g: Geometry, chunks: tuple[int, int, int], encode: Callable[[np.ndarray], bytes]
+                         ) -> None:
+    """Every chunk of ``ds`` as ``encode(chunk)`` bytes, encoded in a thread pool, written with
+    ``write_direct_chunk`` (HDF5 stores edge chunks whole: the last slab is padded with zeros)."""
+    cz, cy, cx = chunks
+    with ThreadPoolExecutor(_THREADS) as pool:
+        for z0 in range(0, g.n, cz):
+            slab = _slab(g, z0, min(z0 + cz, g.n))
+            if len(slab) < cz:
+                slab = np.concatenate([slab, np.zeros((cz - len(slab), g.side, g.side), np.uint16)])
+            blocks = [(y, x, np.ascontiguousarray(slab[:, y:y + cy, x:x + cx]))
+                      for y in range(0, g.side, cy) for x in range(0, g.side, cx)]
+            for (y, x, _), data in zip(blocks, pool.map(lambda b: encode(b[2]), blocks)):
+                ds.id.write_direct_chunk((z0, y, x), data)
 
 
 WRITERS: dict[str, Callable[[str, Geometry], str]] = {

@@ -553,7 +553,7 @@ def test_lz4_walk_fits_only_whole_blocks(kind):
     # the next piece) or one followed by more bytes.
     import numcodecs
 
-    from gpulazy.codecs.nvcomp import lz4_block_fits
+    from gpulazy.codecs.lz4 import block_fits as lz4_block_fits
 
     n = 0 if kind == "empty" else 70_000
     raw = {"ramp": sample((n // 2,), "<u2").tobytes(), "noise": np.random.default_rng(0).bytes(n),
@@ -565,36 +565,60 @@ def test_lz4_walk_fits_only_whole_blocks(kind):
         assert not lz4_block_fits(bad, 4, len(raw))
 
 
-def test_walk_kernels_agree_with_their_host_twins(tmp_path):
-    # The walk kernels decide what nvCOMP may see; without a GPU their C runs here as host
-    # code (one "thread" per call), against the Python twins on whole, cut, extended and
-    # garbled LZ4 blocks and zstd frames.
+_KERNEL_SHIM = ("struct D3 { long long x, y; };\n"
+                "static D3 blockIdx = {0, 0}, blockDim = {1, 1}, threadIdx = {0, 0}, gridDim = {1, 1};\n"
+                "#define __global__\n#define __device__ static\n#define __syncthreads()\n")
+
+
+def _host_kernels(tmp_path, sources: dict[str, str]) -> dict:
+    """GPU kernel sources compiled as C++ for the host (one "thread", one thread block whose
+    grid-stride loops then cover the whole grid): the kernels' rules, tested where CI runs."""
     import ctypes
     import shutil
     import subprocess
 
-    import numcodecs
-
-    from gpulazy.codecs import nvcomp
-    from gpulazy.codecs._frames import zstd_header
-
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    shim = ("struct D3 { long long x; };\nstatic D3 blockIdx = {0}, blockDim = {1}, threadIdx = {0};\n"
-            "#define __global__\n#define __device__ static\n")
     libs = {}
-    for name in ("zstd_walk", "lz4_walk"):
+    for name, source in sources.items():
         src, so = tmp_path / f"{name}.cpp", tmp_path / f"{name}.so"
-        src.write_text(shim + getattr(nvcomp, f"_{name.split('_')[0].upper()}_WALK"))
+        src.write_text(_KERNEL_SHIM + source)
         subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
         libs[name] = getattr(ctypes.CDLL(str(so)), f"gl_{name}")
+    return libs
 
-    def kernel(name, data, start, limit):
+
+def _walk_on_host(libs, data: bytes, start: int, limit: int, keep: int = 0) -> tuple[int, np.ndarray, int]:
+    """The LZ4 walk kernel over one block: (status, recorded sequences, sequence count)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(bytes(data), max(1, len(data)))
+    arg = [(ctypes.c_longlong * 1)(v) for v in (len(data), start, limit)]
+    ok, counts = (ctypes.c_int * 1)(0), (ctypes.c_int * 1)(0)
+    rec = np.zeros(max(1, keep * 5), dtype=np.int64)
+    libs["lz4_walk"]((ctypes.c_ulonglong * 1)(ctypes.addressof(buf)), *arg, ok, ctypes.c_longlong(1),
+                     rec.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(keep), counts)
+    return ok[0], rec, counts[0]
+
+
+def test_walk_kernels_agree_with_their_host_twins(tmp_path):
+    # The walk kernels compiled as C++ for the host (one "thread" per call), against the
+    # Python twins on whole, cut, extended and garbled LZ4 blocks and zstd frames.
+    import ctypes
+
+    import numcodecs
+
+    from gpulazy.codecs import lz4, nvcomp
+    from gpulazy.codecs._frames import zstd_header
+
+    libs = _host_kernels(tmp_path, {"zstd_walk": nvcomp._ZSTD_WALK, "lz4_walk": lz4._WALK})
+
+    def zstd_kernel(data, start, limit):
         buf = ctypes.create_string_buffer(bytes(data), max(1, len(data)))
         arg = [(ctypes.c_longlong * 1)(v) for v in (len(data), start, limit)]
         ok = (ctypes.c_int * 1)(0)
-        libs[name]((ctypes.c_ulonglong * 1)(ctypes.addressof(buf)), *arg, ok, ctypes.c_longlong(1))
+        libs["zstd_walk"]((ctypes.c_ulonglong * 1)(ctypes.addressof(buf)), *arg, ok, ctypes.c_longlong(1))
         return bool(ok[0])
 
     rng = np.random.default_rng(0)
@@ -604,24 +628,138 @@ def test_walk_kernels_agree_with_their_host_twins(tmp_path):
         garbled[len(lz) // 2] ^= 0x5A
         for v in (lz, lz[:-1], lz + b"\0", lz[: len(lz) // 2], bytes(garbled)):
             for want in (len(raw), len(raw) + 1):
-                assert kernel("lz4_walk", v, 4, want) == nvcomp.lz4_block_fits(v, 4, want)
-        assert kernel("lz4_walk", lz, 4, len(raw))
+                for keep in (0, lz4.RECORDS):
+                    status = _walk_on_host(libs, v, 4, want, keep)[0]
+                    assert (status != lz4.BAD) == lz4.block_fits(v, 4, want)
+        assert _walk_on_host(libs, lz, 4, len(raw))[0] == lz4.DENSE  # recording nothing: nvCOMP's
         zs = bytes(numcodecs.Zstd(level=1).encode(np.frombuffer(raw, "u1")))
         for v in (zs, zs[:-1], zs + b"\0", zs[: max(6, len(zs) // 2)]):  # a whole header: _zstd checks that
             start, trailer = zstd_header(v[:64])
-            assert kernel("zstd_walk", v, start, trailer) == nvcomp.zstd_blocks_fit(v, start, trailer)
-        assert kernel("zstd_walk", zs, *zstd_header(zs[:64]))
+            assert zstd_kernel(v, start, trailer) == nvcomp.zstd_blocks_fit(v, start, trailer)
+        assert zstd_kernel(zs, *zstd_header(zs[:64]))
+
+
+def _sparse_decode_on_host(libs, block: bytes, want: int, keep: int) -> tuple[int, bytes | None]:
+    """The walk, then the literal and match kernels, over one block: (status, decoded or None)."""
+    import ctypes
+
+    from gpulazy.codecs import lz4
+
+    status, rec, count = _walk_on_host(libs, block, 0, want, keep)
+    if status != lz4.SPARSE:
+        return status, None
+    src = ctypes.create_string_buffer(block, max(1, len(block)))
+    out = ctypes.create_string_buffer(max(1, want))
+    ptr = ctypes.c_void_p
+    srcs = (ctypes.c_ulonglong * 1)(ctypes.addressof(src))
+    dsts = (ctypes.c_ulonglong * 1)(ctypes.addressof(out))
+    which, wants, counts = (ctypes.c_longlong * 1)(0), (ctypes.c_longlong * 1)(want), (ctypes.c_int * 1)(count)
+    recp = rec.ctypes.data_as(ptr)
+    libs["lz4_literals"](srcs, dsts, wants, which, recp, counts, ctypes.c_int(keep), ctypes.c_longlong(1),
+                         ctypes.c_longlong(lz4.SLICE))
+    libs["lz4_matches"](dsts, which, recp, counts, ctypes.c_int(keep), ctypes.c_longlong(1))
+    return status, out.raw[:want]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_lz4_sparse_decode_kernels_match_lz4(tmp_path_factory, data):
+    # Blocks of few sequences are decoded by our kernels, not nvCOMP: every byte must be
+    # LZ4's. Hypothesis draws blocks of long literal runs, long and overlapping matches
+    # (offsets shorter than the match: runs of a repeated pattern) and mixes of both.
+    import lz4.block
+
+    from gpulazy.codecs import lz4 as glz4
+
+    libs = _sparse_kernels(tmp_path_factory)
+    parts = data.draw(st.lists(st.one_of(
+        st.binary(min_size=1, max_size=3000),  # noise: literals
+        st.tuples(st.binary(min_size=1, max_size=7), st.integers(1, 5000)).map(lambda t: t[0] * t[1]),  # runs
+    ), min_size=1, max_size=12))
+    raw = b"".join(parts)
+    block = lz4.block.compress(raw, store_size=False)
+    keep = data.draw(st.sampled_from([1, 4, glz4.RECORDS]))
+    status, out = _sparse_decode_on_host(libs, block, len(raw), keep)
+    assert status in (glz4.DENSE, glz4.SPARSE)
+    if status == glz4.SPARSE:
+        assert out == raw
+    if keep == glz4.RECORDS and len(parts) <= 3:
+        assert status == glz4.SPARSE  # few parts make few sequences: this path is taken
+
+
+def test_lz4_sparse_decode_of_incompressible_planes(tmp_path_factory):
+    # What LZ4 makes of noisy uint16 planes (the benchmark's Zarr LZ4 chunks): a few dozen
+    # sequences per 2 MiB, nearly all literals, decoded here.
+    import numcodecs
+
+    from gpulazy.codecs import lz4
+
+    libs = _sparse_kernels(tmp_path_factory)
+    rng = np.random.default_rng(3)
+    y, x = np.mgrid[:512, :2048]
+    raw = ((np.sin(x / 97.0) + np.cos(y / 131.0)) * 8000 + 20000).astype(np.uint16)
+    raw = (raw + rng.integers(0, 8, raw.shape, dtype=np.uint16)).tobytes()
+    block = bytes(numcodecs.LZ4(acceleration=1).encode(raw))[4:]
+    status, out = _sparse_decode_on_host(libs, block, len(raw), lz4.RECORDS)
+    assert status == lz4.SPARSE
+    assert out == raw
+    garbled = bytearray(block)
+    garbled[len(block) // 3] ^= 0xFF  # inside a literal run: walks, and decodes to other bytes
+    status, out = _sparse_decode_on_host(libs, bytes(garbled), len(raw), lz4.RECORDS)
+    assert status == lz4.BAD or (len(out) == len(raw) and out != raw)
+    assert _sparse_decode_on_host(libs, bytes(block[:-1]), len(raw), lz4.RECORDS)[0] == lz4.BAD
+    assert _sparse_decode_on_host(libs, block, len(raw) + 1, lz4.RECORDS)[0] == lz4.BAD
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_lz4_blocks_of_few_sequences_decode_on_the_gpu_like_lz4(data):
+    # The same kernels on the GPU, 256 threads each: the bytes of an overlapping match are
+    # written in parallel, so a wrong source index shows here (the host harness runs one
+    # thread in order). Blocks too dense to record still go to nvCOMP, in the same batch.
+    import cupy
+    import numcodecs
+
+    from gpulazy.codecs import lz4, nvcomp
+
+    run = st.tuples(st.binary(min_size=1, max_size=9), st.integers(1, 70_000)).map(lambda t: t[0] * t[1])
+    noise = st.integers(1, 300_000).map(lambda n: np.random.default_rng(n).bytes(n))
+    raws = data.draw(st.lists(st.lists(st.one_of(noise, run), min_size=1, max_size=4).map(b"".join),
+                              min_size=1, max_size=6))
+    raws.append(np.random.default_rng(1).integers(0, 4, 60_000, np.uint8).tobytes())  # thousands of sequences
+    blobs = [bytes(numcodecs.LZ4().encode(np.frombuffer(r, "u1"))) for r in raws]
+    pieces = [cupy.asarray(np.frombuffer(b, "u1")) for b in blobs]
+    walked = lz4.walk(np.array([p.data.ptr for p in pieces], np.uint64), np.array([len(b) for b in blobs]),
+                      np.full(len(blobs), 4), np.array([len(r) for r in raws]))
+    assert walked.status[-1] == lz4.DENSE and (walked.status[:-1] == lz4.SPARSE).any()
+    got = nvcomp.decode(pieces, LZ4, [len(r) for r in raws])
+    assert got.host == []
+    for out, raw in zip(got.out, raws):
+        assert out.get().tobytes() == raw
+
+
+_SPARSE_LIBS: dict = {}
+
+
+def _sparse_kernels(tmp_path_factory) -> dict:
+    from gpulazy.codecs import lz4
+
+    if not _SPARSE_LIBS:
+        _SPARSE_LIBS.update(_host_kernels(tmp_path_factory.mktemp("lz4"), {
+            "lz4_walk": lz4._WALK, "lz4_literals": lz4._LITERALS, "lz4_matches": lz4._MATCHES}))
+    return _SPARSE_LIBS
 
 
 def test_gpu_kernels_compile():
     # NVRTC needs no GPU: every kernel source compiles for Hopper here too.
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from gpulazy.codecs import filters, nvcomp
+    from gpulazy.codecs import filters, lz4, nvcomp
 
     from gpulazy import _xxh3_gpu
     from gpulazy.codecs import _unshuffle, bitshuffle, blosc, place
 
-    sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, nvcomp._LZ4_WALK, filters._DELTA_SEQ.format(t="double"),
+    sources = [filters._COPY, filters._UNSHUFFLE, nvcomp._ZSTD_WALK, lz4._WALK, lz4._LITERALS, lz4._MATCHES, filters._DELTA_SEQ.format(t="double"),
                blosc._WALK, _unshuffle._KERNEL, bitshuffle._WALK,
                filters._DELTA_INT.format(ti="short", u="unsigned short", acc="unsigned int"),
                filters._DELTA_INT.format(ti="int", u="unsigned long long", acc="unsigned long long")]

@@ -187,7 +187,7 @@ def decode_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.n
     For pieces the GPU path refused: c-blosc decodes LZ4 streams with
     ``LZ4_decompress_fast``, which trusts the stream (a garbled payload whose lengths still
     add up decodes to wrong bytes, silently), so LZ4 streams go through python-lz4's safe
-    decoder after the GPU walk's rules (``nvcomp.lz4_block_fits``), and zstd streams through numcodecs' (which checks them). Other inner
+    decoder after the GPU walk's rules (``lz4.block_fits``), and zstd streams through numcodecs' (which checks them). Other inner
     codecs, or no python-lz4: ``None`` (the host decodes with c-blosc, numcodecs). Far slower than c-blosc (the walk
     is Python): not the CPU path's decoder, only the fallback for pieces that already
     failed a GPU-side check.
@@ -239,9 +239,9 @@ def _lz4_checked(stream: bytes, n: int) -> bytes:
     # early with the right size still "decodes". The GPU walk's rules (its host twin) come first.
     import lz4.block
 
-    from gpulazy.codecs.nvcomp import lz4_block_fits
+    from gpulazy.codecs.lz4 import block_fits
 
-    if not lz4_block_fits(stream, 0, n):
+    if not block_fits(stream, 0, n):
         raise FrameError(f"an lz4 stream of {len(stream)} bytes does not decode to exactly {n} bytes "
                          "(its sequences are corrupt)")
     return lz4.block.decompress(stream, uncompressed_size=n)

@@ -7,7 +7,8 @@ of every piece fetched in one copy: nvCOMP's ``RAW`` bitstreams are the bare
 algorithm, so
 
 - ``zstd``: standard frames decode as they are;
-- ``lz4`` (numcodecs): a 4-byte little-endian size prefix, then one LZ4 block;
+- ``lz4`` (numcodecs): a 4-byte little-endian size prefix, then one LZ4 block (a block of few
+  sequences is decoded by ``gpulazy.codecs.lz4``'s kernels instead, in the same ``decode``);
 - ``lz4_raw``: one bare LZ4 block (the streams inside blosc and HDF5 bitshuffle chunks,
   whose framing ``gpulazy.codecs.blosc`` and ``gpulazy.codecs.bitshuffle`` read);
 - ``zlib``: a 2-byte header and a 4-byte Adler-32 trailer around raw Deflate;
@@ -53,8 +54,7 @@ import numpy as np
 from gpulazy.codecs._frames import HEAD, TAIL, ZSTD_MAGIC, FrameError, check_declared, zstd_header
 from gpulazy.spec import Codec
 
-__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit",
-           "lz4_block_fits"]
+__all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit"]
 
 #: Codec id -> (nvCOMP algorithm, framing). TIFF's codecs through imagecodecs share framings.
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -160,10 +160,12 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
             spans.append((i, *span))
     if not spans:
         return result
-    if framing in _WALKS:
+    if framing in _LZ4_FRAMINGS:
+        spans = _lz4_spans(pieces, spans, sizes, result)
+    elif framing in _WALKS:
         spans = _walk(framing, pieces, spans, heads, sizes, result)
-        if not spans:
-            return result
+    if not spans:
+        return result
     src = [pieces[i][a:b] for i, a, b in spans]
     want = [int(sizes[i]) for i, _, _ in spans]
     views, got, error = _run(algorithm, device_index, src, want, cupy)
@@ -276,58 +278,16 @@ def zstd_blocks_fit(data: bytes, start: int, trailer: int) -> bool:
     return False
 
 
-def lz4_block_fits(data: bytes, start: int, expected: int) -> bool:
-    """Whether the LZ4 sequences from ``start`` end exactly at ``len(data)`` having produced
-    ``expected`` bytes, every match inside what was produced before it.
-
-    The host twin of the ``_LZ4_WALK`` kernel (the tests check one against the other's rules).
-    """
-    pos, end, out = start, len(data), 0
-    while pos < end:
-        token = data[pos]
-        pos += 1
-        lit, pos, whole = _lz4_length(data, pos, token >> 4)
-        if not whole or lit > end - pos or out + lit > expected:
-            return False
-        pos, out = pos + lit, out + lit
-        if pos == end:  # the last sequence is literals only: the block ends right after them
-            return out == expected
-        if end - pos < 2:
-            return False
-        offset = data[pos] | data[pos + 1] << 8
-        match, pos, whole = _lz4_length(data, pos + 2, token & 15)
-        if not whole or offset == 0 or offset > out or out + match + 4 > expected:
-            return False
-        out += match + 4
-    return False
-
-
-def _lz4_length(data: bytes, pos: int, n: int) -> tuple[int, int, bool]:
-    # A 4-bit length of 15 goes on in bytes of 255 until one that is not.
-    if n != 15:
-        return n, pos, True
-    while pos < len(data):
-        b = data[pos]
-        pos, n = pos + 1, n + b
-        if b != 255:
-            return n, pos, True
-    return n, pos, False
-
-
 def _walk(framing: str, pieces: Sequence[Any], spans: list, heads: list[bytes], sizes: Sequence[int],
           result: Decoded) -> list:
-    """Spans whose stream provably ends at the end of its piece (one GPU thread per piece walks it).
+    """Spans whose zstd frame provably ends at the end of its piece (one GPU thread per piece walks it).
 
-    nvCOMP's zstd and LZ4 decoders read past a stream that is cut short (into the next
-    piece of the read buffer): a zstd frame's block headers must chain to the piece's end
-    (less its checksum), an LZ4 block's sequences must end there having produced the
-    expected size. Pieces that do not go to the host, which names the file.
+    nvCOMP's zstd decoder reads past a stream that is cut short (into the next piece of the read
+    buffer): a frame's block headers must chain to the piece's end (less its checksum). Pieces
+    that do not go to the host, which names the file. (LZ4: ``_lz4_spans``.)
     """
     why = _WALKS[framing][2]
-    if framing == "zstd":
-        layout = [zstd_header(heads[i]) for i, _, _ in spans]  # (first block, checksum bytes)
-    else:
-        layout = [(a, int(sizes[i])) for i, a, _ in spans]  # (first sequence, decoded size)
+    layout = [zstd_header(heads[i]) for i, _, _ in spans]  # (first block, checksum bytes)
     src = [pieces[i] for i, _, _ in spans]
     ok = walk_ends(framing, np.array([p.data.ptr for p in src], dtype=np.uint64),
                    np.array([int(p.size) for p in src], dtype=np.int64),
@@ -340,6 +300,32 @@ def _walk(framing: str, pieces: Sequence[Any], spans: list, heads: list[bytes], 
             result.host.append(i)
             result.why[i] = why
     return keep
+
+
+def _lz4_spans(pieces: Sequence[Any], spans: list, sizes: Sequence[int], result: Decoded) -> list:
+    """Walk every LZ4 block (``gpulazy.codecs.lz4``): blocks that fail go to the host, blocks of
+    few sequences are decoded here into ``result.out``; the spans left are nvCOMP's."""
+    from gpulazy.codecs import filters, lz4
+
+    walked = lz4.walk(np.array([pieces[i].data.ptr for i, _, _ in spans], dtype=np.uint64),
+                      np.array([int(pieces[i].size) for i, _, _ in spans], dtype=np.int64),
+                      np.array([a for _, a, _ in spans], dtype=np.int64),
+                      np.array([int(sizes[i]) for i, _, _ in spans], dtype=np.int64))
+    dense, sparse = [], []
+    for k, (span, status) in enumerate(zip(spans, walked.status)):
+        if status == lz4.BAD:
+            result.host.append(span[0])
+            result.why[span[0]] = _LZ4_BAD
+        else:
+            (sparse if status == lz4.SPARSE else dense).append(k)
+    if sparse:  # on the current stream, as the walk: inside ``own_stream``, gpulazy's
+        want = [int(sizes[spans[k][0]]) for k in sparse]
+        _, views = filters.carve(want)
+        lz4.decode_sparse(walked, np.array(sparse), np.array([v.data.ptr for v in views], dtype=np.uint64),
+                          np.array(want))
+        for k, view in zip(sparse, views):
+            result.out[spans[k][0]] = view
+    return [spans[k] for k in dense]
 
 
 def walk_ends(framing: str, addresses: np.ndarray, lengths: np.ndarray, starts: np.ndarray, limits: np.ndarray
@@ -381,9 +367,12 @@ def decode_table(addresses: np.ndarray, csizes: np.ndarray, dsizes: np.ndarray, 
     addresses = np.asarray(addresses, dtype=np.uint64)
     csizes, dsizes = np.asarray(csizes, dtype=np.int64), np.asarray(dsizes, dtype=np.int64)
     ok = (dsizes > 0) & (csizes > 0)
-    if framing in _WALKS and ok.any():
+    if ok.any():  # every stream here is LZ4 (``_HEADLESS``): walked, nvCOMP decodes each
+        from gpulazy.codecs import lz4
+
         sel = np.flatnonzero(ok)
-        ok[sel] = walk_ends(framing, addresses[sel], csizes[sel], np.zeros(len(sel), np.int64), dsizes[sel])
+        ok[sel] = lz4.walk(addresses[sel], csizes[sel], np.zeros(len(sel), np.int64), dsizes[sel],
+                           record=False).status != lz4.BAD
     offsets = np.zeros(len(addresses), dtype=np.int64)
     if not ok.any():
         return cupy.empty(1, dtype=np.uint8), offsets, ok
@@ -440,42 +429,14 @@ _ZSTD_WALK = _walk_kernel("zstd_walk", "", r"""
         if (last) { good = (pos + limit[p] == end); break; }
     }""")
 
-# The rules of ``lz4_block_fits``; ``limit``: the decoded size the block must produce.
-_LZ4_WALK = _walk_kernel("lz4_walk", r"""
-__device__ bool gl_lz4_len(const unsigned char* s, long long* pos, long long end, long long* n) {
-    if (*n != 15) return true;
-    while (*pos < end) {
-        unsigned int b = s[(*pos)++];
-        *n += b;
-        if (b != 255u) return true;
-    }
-    return false;
-}
-""", r"""
-    long long want = limit[p], out = 0;
-    while (pos < end) {
-        unsigned int token = s[pos++];
-        long long lit = token >> 4;
-        if (!gl_lz4_len(s, &pos, end, &lit) || lit > end - pos || out + lit > want) break;
-        pos += lit;
-        out += lit;
-        if (pos == end) { good = (out == want); break; }
-        if (end - pos < 2) break;
-        long long offset = s[pos] | (s[pos + 1] << 8);
-        pos += 2;
-        long long match = token & 15u;
-        if (!gl_lz4_len(s, &pos, end, &match) || offset == 0 || offset > out || out + match + 4 > want) break;
-        out += match + 4;
-    }""")
-
 #: framing -> (kernel name, source, why a piece that fails the walk goes to the host)
 _WALKS = {
     "zstd": ("zstd_walk", _ZSTD_WALK, "zstd block headers do not end at the end of the piece (truncated or "
              "corrupt)"),
-    "lz4-numcodecs": ("lz4_walk", _LZ4_WALK, "lz4 sequences do not end at the end of the piece with the "
-                      "expected size (truncated or corrupt)"),
 }
-_WALKS["lz4-raw"] = _WALKS["lz4-numcodecs"]
+#: Why an LZ4 block that fails ``gpulazy.codecs.lz4.walk`` goes to the host.
+_LZ4_BAD = "lz4 sequences do not end at the end of the piece with the expected size (truncated or corrupt)"
+_LZ4_FRAMINGS = frozenset({"lz4-numcodecs", "lz4-raw"})
 
 
 def _lz4(head: bytes, size: int) -> tuple[Any, str]:

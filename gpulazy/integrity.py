@@ -26,12 +26,12 @@ True True
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from gpulazy.errors import ChunkReadError
 from gpulazy.spec import ChunkSpec, FileIdentity
 
-__all__ = ["check_unchanged", "check_all_unchanged", "check_absent_unlisted", "as_read_error"]
+__all__ = ["check_unchanged", "check_all_unchanged", "unchanged_each", "check_absent_unlisted", "as_read_error"]
 
 def check_unchanged(spec: ChunkSpec) -> None:
     """Raise ``ChunkReadError`` if a file of ``spec`` is gone, differs from its indexed identity,
@@ -50,6 +50,26 @@ def check_all_unchanged(specs: Iterable[ChunkSpec]) -> None:
                 seen.add(ident)
 
 
+def unchanged_each(specs: Iterable[ChunkSpec]) -> Callable[[ChunkSpec], ChunkReadError | None]:
+    """``check_unchanged`` for many specs that each get their own outcome: each file is stat'ed
+    once now, and the function returned gives a spec's error (or ``None``) from those stats.
+    (The whole-array path finishes thousands of single-file chunks at a time: a stat each.)"""
+    found: dict = {}
+    for spec in specs:
+        for ident in spec.identity:
+            if ident not in found:
+                found[ident] = _changes(ident)
+
+    def error(spec: ChunkSpec) -> ChunkReadError | None:
+        for ident in spec.identity:
+            path, what = found[ident] if ident in found else _changes(ident)
+            if what is not None:
+                return _changed(spec, path, what)
+        return None
+
+    return error
+
+
 def check_absent_unlisted(specs: Iterable[ChunkSpec]) -> None:
     """Raise ``ChunkReadError`` for a file indexed as absent (read as the fill value) that a
     checksum manifest lists: the manifest says it held bytes, so it was lost (``verify=True``)."""
@@ -66,11 +86,16 @@ def check_absent_unlisted(specs: Iterable[ChunkSpec]) -> None:
 
 
 def _check_identity(ident: tuple, spec: ChunkSpec) -> None:
+    path, what = _changes(ident)
+    if what is not None:
+        raise _changed(spec, path, what)
+
+
+def _changes(ident: tuple) -> tuple[str, str | None]:
+    """``(path, what changed or None)`` for one indexed identity, from one stat."""
     if not isinstance(ident, FileIdentity):  # specs made by hand may carry a plain tuple, even a shorter one
         ident = _as_identity(ident)
-    what = ident.changes()
-    if what is not None:
-        raise _changed(spec, ident.path, what)
+    return ident.path, ident.changes()
 
 
 def _as_identity(ident: tuple) -> FileIdentity:

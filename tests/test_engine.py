@@ -177,6 +177,36 @@ def test_a_file_changed_after_indexing_is_never_read(tmp_path):
         start(specs, get_backend("posix", "cpu"))
 
 
+def test_a_file_written_during_the_read_fails_every_chunk_of_it_with_one_stat(tmp_path, monkeypatch):
+    # After the reads land, each file is stat'ed once for all the chunks that read it (the
+    # whole-array path finishes thousands of one-file chunks at a time); a file written
+    # meanwhile fails each of its chunks with its path, and a file left alone fails none.
+    import os
+
+    from gpulazy.spec import FileIdentity
+
+    p, data = _raw(tmp_path)
+    q = str(tmp_path / "b.raw")
+    data.tofile(q)
+    specs = [gpulazy.from_files(path, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu",
+                                cache=False).chunk_index.specs[(i, 0, 0)] for path in (p, q) for i in range(4)]
+    reads = start(specs, get_backend("posix", "cpu"))
+    with open(q, "r+b") as f:  # written to after the reads were submitted
+        f.write(b"\1\2")
+    os.utime(q, ns=(1, 1))
+    stats: list[str] = []
+    real = FileIdentity.of.__func__
+    monkeypatch.setattr(FileIdentity, "of", classmethod(lambda cls, path: stats.append(path) or real(cls, path)))
+    reads.settle()  # as the whole-array path finishes a submission: all its chunks at once
+    for i in range(4):
+        np.testing.assert_array_equal(reads.chunk(i), data[2 * i:2 * i + 2])
+    for i in range(4, 8):
+        with pytest.raises(ChunkReadError, match="changed since it was indexed") as e:
+            reads.chunk(i)
+        assert e.value.path == q
+    assert sorted(stats) == sorted([p, q])
+
+
 def _settle_threads() -> list:
     import threading
 

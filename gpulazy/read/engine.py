@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.device import Device, own_stream
-from gpulazy.integrity import as_read_error, check_all_unchanged, check_unchanged
+from gpulazy.integrity import as_read_error, check_all_unchanged, unchanged_each
 from gpulazy.io import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec
 
@@ -170,11 +170,14 @@ class Reads:
         pieces = [i for i in ok if self.specs[i].is_assembled]
         dev = self.device
         with dev.activate(), own_stream(dev):  # waited for on leaving: valid on every stream
-            for i in plain:
+            if plain:
                 try:
-                    self.outcomes[i] = place_plain(self.bufs[i], self.dests[i], self.specs[i], dev, self.inplace[i])
-                except BaseException as e:
-                    self.outcomes[i] = e
+                    placed = place_plain([self.bufs[i] for i in plain], [self.dests[i] for i in plain],
+                                         [self.specs[i] for i in plain], dev, [self.inplace[i] for i in plain])
+                except BaseException as e:  # the launch itself: every chunk of it
+                    placed = [e] * len(plain)
+                for i, arr in zip(plain, placed):
+                    self.outcomes[i] = arr
             if pieces:
                 try:
                     arrays = assemble_into([self.bufs[i] for i in pieces], [self.specs[i] for i in pieces],
@@ -183,13 +186,13 @@ class Reads:
                     arrays = [e] * len(pieces)
                 for i, arr in zip(pieces, arrays):
                     self.outcomes[i] = arr
+        changed = unchanged_each([self.specs[i] for i in ok if not isinstance(self.outcomes[i], BaseException)])
         for i in ok:
             self.bufs[i] = None  # the stored bytes are not needed once decoded
             if not isinstance(self.outcomes[i], BaseException):
-                try:
-                    check_unchanged(self.specs[i])  # written to during the read: bytes may be mixed
-                except BaseException as e:
-                    self.outcomes[i] = e
+                error = changed(self.specs[i])  # written to during the read: bytes may be mixed
+                if error is not None:
+                    self.outcomes[i] = error
 
 
 class PendingChunk:

@@ -103,6 +103,21 @@ def test_a_compressed_miss_stages_its_stored_bytes_and_places_each_piece_once(tm
     assert allocs.count((2, 16, 16)) == n
 
 
+def test_the_stored_bytes_of_a_submission_share_one_allocation(tmp_path, allocs):
+    # Each chunk's stored bytes land in a buffer of their own, all views of one allocation:
+    # an allocation per chunk cost a pool lookup and an event each.
+    data = np.random.default_rng(1).integers(0, 999, (8, 16, 16)).astype("<u2")
+    p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))
+    specs = list(vol.chunk_index.specs.values())
+    reads = start(specs, get_backend("posix", "cpu"), check=False)
+    for i in range(len(specs)):
+        np.testing.assert_array_equal(reads.chunk(i), data[2 * i:2 * i + 2])
+    staged = [s for s in allocs if len(s) == 1]
+    assert len(staged) == 1 and staged[0][0] >= sum(s.nbytes for s in specs)
+    assert allocs.count((2, 16, 16)) == len(specs)
+
+
 # -- destinations ------------------------------------------------------------------------------
 
 @given(order=st.sampled_from("CF"), swap=st.booleans(), strided=st.booleans())

@@ -117,6 +117,31 @@ def test_a_box_is_written_once_into_one_array(tmp_path):
         cache.close()
 
 
+def test_a_box_cut_through_cached_chunks_copies_only_its_part(tmp_path, monkeypatch):
+    # A chunk the box cuts is read from the cache where it lies: its part is copied into the
+    # result, with no copy of the whole chunk first (no chunk-sized array made at all).
+    from gpulazy.device import Device
+
+    data = _volume((4, 16, 16))
+    path = _write(tmp_path, data, (2, 8, 8), "raw")
+    cache = gpulazy.DeviceCache("1 MiB", device="cpu")
+    try:
+        vol = gpulazy.from_files(path, shape=data.shape, dtype=data.dtype, chunks=(2, 8, 8), device="cpu",
+                                 cache=cache)
+        vol.map_blocks(lambda b: b).compute(scheduler="sync")  # every chunk cached
+        shapes = []
+        real = Device.alloc
+        monkeypatch.setattr(Device, "alloc", lambda self, shape, *a, **k: shapes.append(tuple(shape)) or
+                            real(self, shape, *a, **k))
+        before = cache.stats()
+        got = vol[1:3, 3:13, 5:6].compute()
+        np.testing.assert_array_equal(got, data[1:3, 3:13, 5:6])
+        assert cache.stats()["hits"] - before["hits"] == 4 and cache.stats()["misses"] == before["misses"]
+        assert shapes == [(2, 10, 1)]  # the result alone
+    finally:
+        cache.close()
+
+
 # -- GPU: the same regions with CuPy's legacy stream busy ---------------------------------------
 
 SPIN = r'''

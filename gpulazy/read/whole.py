@@ -117,11 +117,11 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 if not (cache is not None and cache.read_into(spec, view)):
                     todo.append((spec, view))
                 continue
-            hit = cache.get_cached([spec])[0] if cache is not None else None
-            part = None if hit is not None or source.verify else _slab(spec, src)
-            if hit is not None:
-                _copy_part(out, dst, hit, src, dev)
-            elif part is not None:
+            if cache is not None and not cache.visit(
+                    [spec], lambda _, entry, src=src, dst=dst: _copy_part(out, dst, entry, src, dev)):
+                continue  # cached: its part copied straight out of the cache's entry (waited for)
+            part = None if source.verify else _slab(spec, src)
+            if part is not None:
                 todo.append((part, out[dst + (Ellipsis,)]))
             else:
                 cuts[spec.key] = (src, dst)

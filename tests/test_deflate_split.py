@@ -151,6 +151,43 @@ def test_the_record_folds_measures_per_device():
     assert rec.snapshot() == {}
 
 
+def test_a_calibration_replaces_the_prior_once_and_later_measures_fold_in():
+    rec = _split.RateRecord(weight=0.5)
+    assert not rec.calibrated("cuda:0")
+    assert rec.calibrate("cuda:0", host_per_core=0.15e9).host_per_core == pytest.approx(0.15e9)  # not averaged
+    assert rec.calibrated("cuda:0") and not rec.calibrated("cuda:0", "zstd") and not rec.calibrated("cuda:1")
+    assert rec.fold("cuda:0", host_per_core=0.25e9).host_per_core == pytest.approx(0.2e9)
+    rec.reset()
+    assert not rec.calibrated("cuda:0") and rec.rates("cuda:0") == Rates()
+
+
+def test_the_host_rate_is_measured_on_pieces_of_the_first_batch(monkeypatch):
+    # Before the first plan, a few middling pieces of the batch are decoded on this host and
+    # timed: the rate per core the plan starts from is this host's, once per device and family.
+    import zlib
+
+    from gpulazy.codecs import _beside
+
+    rec = _split.RateRecord()
+    monkeypatch.setattr(_split, "RECORD", rec)
+    rng = np.random.default_rng(0)
+    raw = [np.cumsum(rng.integers(0, 3, n)).astype("<u2").tobytes() for n in (1000, 300_000, 600_000, 900_000)]
+    pieces = [np.frombuffer(zlib.compress(r, 1), np.uint8) for r in raw]
+    zl = Codec.of("zlib", level=1)
+    decoded = []
+    real = _beside._host_one
+    monkeypatch.setattr(_beside, "_host_one", lambda piece, *a: decoded.append(piece.size) or real(piece, *a))
+    _beside.calibrate_host(pieces, zl, [len(r) for r in raw], [None] * 4, "cuda:7", "deflate")
+    assert rec.calibrated("cuda:7")
+    assert rec.rates("cuda:7").host_per_core != Rates().host_per_core and rec.rates("cuda:7").host_per_core > 0
+    assert decoded == [pieces[2].size, pieces[3].size]  # the middling ones, about CALIBRATE_BYTES
+    _beside.calibrate_host(pieces, zl, [len(r) for r in raw], [None] * 4, "cuda:7", "deflate")
+    assert len(decoded) == 2  # once per process
+    garbled = [np.frombuffer(b"\x78\x01garbage" * 100, np.uint8)] * 3
+    _beside.calibrate_host(garbled, zl, [5000] * 3, [None] * 3, "cuda:8", "deflate")  # the batch will say why
+    assert not rec.calibrated("cuda:8")
+
+
 def test_the_record_is_safe_across_threads():
     rec = _split.RateRecord(weight=0.1)
 

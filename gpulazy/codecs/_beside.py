@@ -42,7 +42,8 @@ from gpulazy.codecs._run import _host_one, _record, cores, host_pool, size_error
 from gpulazy.device import Device
 from gpulazy.spec import ByteRange, Codec
 
-__all__ = ["CupySide", "HostDecode", "HostShare", "beside_host", "rounds", "size_class"]
+__all__ = ["CALIBRATE_BYTES", "CALIBRATE_PIECES", "CupySide", "HostDecode", "HostShare", "beside_host",
+           "calibrate_host", "rounds", "size_class"]
 
 
 def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any],
@@ -56,6 +57,7 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
         return []
     stored = [int(p.size) for p in pieces]
     kind = _split.family(c) or "deflate"
+    calibrate_host(pieces, c, sizes, where, device.name, kind)
     gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind)
     picked = set(gpu)
     host = [i for i in range(len(pieces)) if i not in picked]
@@ -91,6 +93,48 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
     _learn(device.name, kind, [sizes[i] for i in host], [stored[i] for i in host], [sizes[i] for i in gpu],
            share, gpu_seconds, both_done - started)
     return out
+
+
+#: Decoded bytes (at most ``CALIBRATE_PIECES`` pieces) that ``calibrate_host`` times.
+CALIBRATE_BYTES = 4 << 20
+CALIBRATE_PIECES = 8
+
+
+def calibrate_host(pieces: Sequence[Any], c: Codec, sizes: Sequence[int], where: Sequence[Any], device: str,
+                   kind: str) -> None:
+    """Before the first plan for ``kind`` on ``device`` in this process: the host's rate per core,
+    from pieces of this very batch decoded on this thread (their results dropped).
+
+    The prior (``_split.Rates``) is one host's figure, and hosts differ: libdeflate decoded the
+    benchmark's gzip-1 chunks at 0.45 GB/s a core on the H100 host the prior came from, 0.15 to
+    0.17 on the H100 hosts of 2026-11-25 (0.36 on a workstation). Three times too fast, the
+    prior sent the first batches of each process to the host alone: a 4 GiB HDF5 gzip-1 read
+    took 2.4 GB/s where the split, once learnt, gave 3.9. Middling pieces are timed, about
+    ``CALIBRATE_BYTES``; a piece that fails is left for the batch to report (with its file).
+    """
+    if _split.RECORD.calibrated(device, kind) or not pieces:
+        return
+    order = np.argsort(np.asarray(sizes, dtype=np.int64), kind="stable")
+    picked, total = [], 0
+    for k in order[len(order) // 2:]:
+        if total >= CALIBRATE_BYTES or len(picked) >= CALIBRATE_PIECES:
+            break
+        picked.append(int(k))
+        total += int(sizes[k])
+    host = [_to_host(pieces[k]) for k in picked]
+    started = time.perf_counter()
+    try:
+        for k, piece in zip(picked, host):
+            _host_one(piece, (c,), int(sizes[k]), where[k])
+    except Exception:  # noqa: BLE001 (the batch decodes it again and raises its error, naming the file)
+        return
+    seconds = time.perf_counter() - started
+    if seconds > 0 and total:
+        _split.RECORD.calibrate(device, kind, host_per_core=total / seconds)
+
+
+def _to_host(piece: Any) -> np.ndarray:
+    return piece.get() if hasattr(piece, "get") else np.asarray(piece)
 
 
 def _learn(device: str, kind: str, host_sizes: list[int], host_stored: list[int], gpu_sizes: list[int],

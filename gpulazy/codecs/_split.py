@@ -17,8 +17,9 @@ frame in one thread block, about 154 MB/s each, so the 16 frames of 16 MiB a nap
 decodes at 40 GB/s and more. There the GPU alone is kept unless a split is predicted at least
 10 % faster (``Rates.margin``), so whole-array reads stay on nvCOMP.
 
-The figures start from ``Rates()`` (the documented priors below) and follow what the batches
-of this process measure (``RECORD``, one per device): the host's rate per core from batches
+The figures start from ``Rates()`` (the documented priors below), the host's rate per core
+replaced before the first plan by one measured on this host (``_beside.calibrate_host``:
+hosts differ threefold), and follow what the batches of this process measure (``RECORD``, one per device): the host's rate per core from batches
 decoded on the host alone, nvCOMP's rate per stream and whether the host's threads ran while
 nvCOMP's call waited (``overlap``) from batches split between both. Nothing is written to
 config or disk.
@@ -217,6 +218,22 @@ class RateRecord:
         self._lock = threading.Lock()
         self._rates: dict[str, Rates] = {}
         self._counts: dict[str, dict[str, int]] = {}
+        self._calibrated: set[str] = set()
+
+    def calibrated(self, device: str, kind: str = "deflate") -> bool:
+        """Whether ``calibrate`` has set ``device``'s rates for ``kind`` in this process."""
+        with self._lock:
+            return _key(device, kind) in self._calibrated
+
+    def calibrate(self, device: str, kind: str = "deflate", **measured: float) -> Rates:
+        """Replace the prior's fields with these measures (not a moving average: the prior is one
+        host's figure, not a measure of this one); later measures fold in as usual."""
+        with self._lock:
+            key = _key(device, kind)
+            self._rates[key] = dataclasses.replace(self._rates.get(key, PRIORS[kind]),
+                                                   **{k: float(v) for k, v in measured.items()})
+            self._calibrated.add(key)
+            return self._rates[key]
 
     def rates(self, device: str, kind: str = "deflate") -> Rates:
         with self._lock:
@@ -250,6 +267,7 @@ class RateRecord:
         with self._lock:
             self._rates.clear()
             self._counts.clear()
+            self._calibrated.clear()
 
 
 def _key(device: str, kind: str) -> str:

@@ -739,31 +739,6 @@ def test_lz4_blocks_of_few_sequences_decode_on_the_gpu_like_lz4(data):
         assert out.get().tobytes() == raw
 
 
-@pytest.mark.gpu
-def test_a_batch_too_large_for_its_records_records_fewer_sequences_each(monkeypatch):
-    # Records are capped per walk (RECORD_BYTES): each block then records fewer sequences
-    # (at least 8), a block with more goes to nvCOMP, and every block still decodes right.
-    import cupy
-    import numcodecs
-
-    from gpulazy.codecs import lz4, nvcomp
-
-    rng = np.random.default_rng(4)
-    few = rng.bytes(50_000)  # noise: one or two sequences
-    some = b"".join(rng.bytes(3000) + bytes(300) for _ in range(20))  # ~40 sequences
-    raws = [few, some, few + some]
-    blobs = [bytes(numcodecs.LZ4().encode(np.frombuffer(r, "u1"))) for r in raws]
-    pieces = [cupy.asarray(np.frombuffer(b, "u1")) for b in blobs]
-    args = (np.array([p.data.ptr for p in pieces], np.uint64), np.array([len(b) for b in blobs]),
-            np.full(3, 4), np.array([len(r) for r in raws]))
-    assert list(lz4.walk(*args).status) == [lz4.SPARSE] * 3
-    monkeypatch.setattr(lz4, "RECORD_BYTES", 1)
-    walked = lz4.walk(*args)
-    assert walked.keep == 8 and list(walked.status) == [lz4.SPARSE, lz4.DENSE, lz4.DENSE]
-    got = nvcomp.decode(pieces, LZ4, [len(r) for r in raws])
-    assert got.host == [] and [o.get().tobytes() for o in got.out] == raws
-
-
 _SPARSE_LIBS: dict = {}
 
 

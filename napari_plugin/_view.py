@@ -78,6 +78,12 @@ class HostView:
         ``claim(specs)``, set by the viewer's motion prefetch (``MotionPrefetch.claim``): called
         before a plane is read whose chunks are neither cached nor on their way; its slices
         inherit it.
+    defer
+        ``defer(view)``, set by the 3-D view's coarse level (``_volume.VolumeSwap``): when it
+        says so, converting the view reads nothing and gives zeros of its shape that take no
+        memory (``np.broadcast_to``): napari slicing the whole full-resolution volume on
+        entering 3-D, just before the coarse level replaces it in the same event. Its slices
+        inherit it.
     """
 
     def __init__(self, array: Any, *, label: str, target: Any = None, transfers: Transfers | None = None,
@@ -90,6 +96,7 @@ class HostView:
         #: array: it is then read chunk by chunk from the cache, without a dask graph.
         self._direct = key
         self.claim: Callable[[list], Any] | None = None
+        self.defer: Callable[[HostView], bool] | None = None
 
     # -- the array-like surface napari reads ------------------------------------------------
     @property
@@ -121,10 +128,12 @@ class HostView:
     def __getitem__(self, key: Any) -> HostView:
         direct = _box(self.array, key) if self._direct is None and self.target is self.array else None
         view = HostView(self.array[key], label=self.label, transfers=self.transfers, key=direct)
-        view.claim = self.claim
+        view.claim, view.defer = self.claim, self.defer
         return view
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if self.defer is not None and self.defer(self):
+            return np.broadcast_to(np.zeros((), dtype=dtype or self.dtype), self.shape)
         host = self.to_host()
         return host if dtype is None else host.astype(dtype, copy=False)
 

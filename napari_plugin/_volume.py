@@ -9,7 +9,12 @@ two a side, computed by dask from the full-resolution chunks on their device, th
 device cache); leaving 3-D gives the layer back its data, scale, translation and the plane it
 showed. What it does not avoid: napari slices the full-resolution volume once when the view
 switches, before any plugin's callback runs (napari keeps its own callbacks first); the coarse
-level then replaces it, so napari draws and keeps 64 MiB instead of the whole volume.
+level then replaces it, so napari draws and keeps 64 MiB instead of the whole volume. That slice
+reads nothing: each large volume's ``HostView`` is armed (``HostView.defer``) to give napari zeros
+that take no memory (a broadcast array) for a whole-volume request while the viewer is in 3-D and
+the layer not yet swapped; the swap follows in the same event, before anything is drawn. Should
+the coarse level fail to read, the layer is sliced again for real (and the user told why). A
+layer added while the viewer is already in 3-D is armed only once napari has sliced it.
 
 Why a swap and not one more level of a multiscale layer: napari's 2-D view picks the coarsest
 level still larger than the canvas, and a level averaged along axis -3 holds no plane of the
@@ -28,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["VolumeSwap", "coarse_volume", "VOLUME_BYTES", "VOLUME_SIDE"]
+__all__ = ["VolumeSwap", "coarse_volume", "needs_level", "VOLUME_BYTES", "VOLUME_SIDE"]
 
 #: A volume larger than this shows a coarse level in napari's 3-D view: 256³ float32 voxels.
 VOLUME_BYTES = 64 << 20
@@ -54,7 +59,7 @@ def coarse_volume(array: Any, *, max_bytes: int = VOLUME_BYTES, max_side: int = 
 
     from napari_gpulazy._view import _mean_keep_dtype
 
-    if array.ndim < 3 or min(array.shape[-3:]) < 1:
+    if not needs_level(array.shape, array.dtype, max_bytes=max_bytes, max_side=max_side):
         return None
     shape, factors = list(array.shape[-3:]), [1, 1, 1]
 
@@ -77,6 +82,14 @@ def coarse_volume(array: Any, *, max_bytes: int = VOLUME_BYTES, max_side: int = 
     return level, (factors[0], factors[1], factors[2])
 
 
+def needs_level(shape: tuple, dtype: Any, *, max_bytes: int = VOLUME_BYTES, max_side: int = VOLUME_SIDE) -> bool:
+    """Whether a volume of ``shape`` (its last three axes) is too large to show whole in 3-D."""
+    vol = tuple(shape)[-3:]
+    if len(vol) < 3 or min(vol) < 1:
+        return False
+    return math.prod(vol) * np.dtype(dtype).itemsize > max_bytes or max(vol) > max_side
+
+
 class VolumeSwap:
     """Show a coarse level of each large gpulazy volume while ``viewer`` is in 3-D (see the module)."""
 
@@ -84,11 +97,14 @@ class VolumeSwap:
         self._viewer = weakref.ref(viewer)
         self.max_bytes, self.max_side = max_bytes, max_side
         self._saved: dict[int, tuple[Any, Any, np.ndarray, np.ndarray]] = {}  # id(layer) -> what it had
+        self._failed: set[int] = set()  # id(layer): its coarse level did not read; napari shows it whole
         self._step: tuple[int, ...] | None = None
         # napari runs its own callbacks before any plugin's (EventEmitter.connect keeps them first), so
         # napari has sliced the full-resolution volume once in 3-D by the time this one swaps.
         viewer.dims.events.ndisplay.connect(self._on_ndisplay)
         viewer.layers.events.inserted.connect(self._on_inserted)
+        for layer in viewer.layers:
+            self._arm(layer)
         if viewer.dims.ndisplay == 3:
             self.enter()
 
@@ -112,9 +128,29 @@ class VolumeSwap:
             self.leave()
 
     def _on_inserted(self, event: Any) -> None:
+        self._arm(event.value)
         viewer = self._viewer()
         if viewer is not None and viewer.dims.ndisplay == 3:
             self._swap(event.value)
+
+    def _arm(self, layer: Any) -> None:
+        """Let ``layer``'s view give napari zeros for the whole volume it slices on entering 3-D
+        (``HostView.defer``), when that volume is one this swaps for a coarse level."""
+        from napari_gpulazy._view import HostView
+
+        view = getattr(layer, "data", None)
+        if (not isinstance(view, HostView) or getattr(layer, "multiscale", False)
+                or not needs_level(view.shape, view.dtype, max_bytes=self.max_bytes, max_side=self.max_side)):
+            return
+        layer_ref, whole = weakref.ref(layer), tuple(view.shape[-3:])
+
+        def defer(part: Any) -> bool:
+            viewer, shown = self._viewer(), layer_ref()
+            return (viewer is not None and shown is not None and viewer.dims.ndisplay == 3
+                    and id(shown) not in self._saved and id(shown) not in self._failed
+                    and tuple(part.shape[-3:]) == whole)
+
+        view.defer = defer
 
     def enter(self) -> None:
         """Swap in the coarse level of every large gpulazy volume of the viewer."""
@@ -152,7 +188,9 @@ class VolumeSwap:
             return
         level, factors = found
         data = _held(level, view, self.max_bytes)
-        if data is None:
+        if data is None:  # napari was given zeros for the whole volume: let it read the volume itself
+            self._failed.add(id(layer))
+            layer.refresh()
             return
         scale, translate = np.array(layer.scale, dtype=float), np.array(layer.translate, dtype=float)
         f = np.ones(layer.ndim)

@@ -416,6 +416,40 @@ def test_the_3d_view_shows_a_coarse_level_and_2d_gets_its_plane_back(model, tmp_
     np.testing.assert_array_equal(_shown(layer), plane)  # the plane of the file, as before
 
 
+def test_entering_3d_reads_the_coarse_level_not_the_whole_volume(model, tmp_path):
+    # napari slices the whole volume on entering 3-D before any plugin callback runs: the view
+    # gives it zeros that take no memory, then the coarse level replaces them in the same event.
+    # Nothing of the full-resolution volume reaches the host; going back, the plane is the file's.
+    data = np.random.default_rng(10).random((24, 40, 36), dtype="f4")
+    hook, view, layer = _large_volume(model, tmp_path, data, 16 << 10)
+    model.dims.set_current_step(0, 5)
+    view.transfers.reset()
+    largest = []
+    real = type(view).to_host
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(view), "to_host", lambda self: largest.append(self.nbytes) or real(self))
+        model.dims.ndisplay = 3
+    assert hook.volumes.swapped == [layer]
+    assert largest == [] and view.transfers.bytes <= 16 << 10  # the coarse level alone
+    np.testing.assert_allclose(np.asarray(layer._slice.image.raw),
+                               _block_mean(data, layer.metadata["gpulazy"]["volume"]["factors"]), rtol=1e-5)
+    model.dims.ndisplay = 2
+    np.testing.assert_array_equal(_shown(layer), data[5])
+
+
+def test_when_the_coarse_level_fails_napari_reads_the_volume_itself(model, tmp_path, monkeypatch):
+    # Never zeros on screen: if the coarse level cannot be had, the layer is sliced again for
+    # real, and the 3-D view shows the whole volume as napari alone would.
+    from napari_gpulazy import _volume
+
+    data = np.random.default_rng(11).random((16, 32, 32), dtype="f4")
+    hook, view, layer = _large_volume(model, tmp_path, data, 8 << 10)
+    monkeypatch.setattr(_volume, "_held", lambda *a: None)
+    model.dims.ndisplay = 3
+    assert hook.volumes.swapped == [] and layer.data is view
+    np.testing.assert_array_equal(np.asarray(layer._slice.image.raw), data)
+
+
 def test_small_volumes_and_pyramids_stay_as_they_are_in_3d(model, volume):
     from napari_gpulazy import attach, read_layers
 
@@ -802,6 +836,29 @@ def test_real_viewer_first_view_of_a_brightening_volume_is_not_saturated(real_vi
     drawn = shot.max(axis=-1) > 0                                              # the image, not the background
     white = (shot == 255).all(axis=-1)
     assert drawn.mean() > 0.1 and white.sum() < 0.1 * drawn.sum(), (white.sum(), drawn.sum())  # old: ~90% white
+
+
+def test_real_viewer_3d_draws_the_coarse_level(real_viewer, tmp_path):
+    # On a real canvas too: entering 3-D the vispy volume gets the coarse level (napari's slice
+    # of the whole volume got zeros taking no memory, replaced in the same event), and the
+    # drawn volume is not blank.
+    real_viewer, qtbot = real_viewer
+    import napari_gpulazy
+
+    data = np.random.default_rng(12).random((24, 40, 36), dtype="f4") + 1
+    p = str(tmp_path / "large.npy")
+    np.save(p, data)
+    hook = napari_gpulazy.attach(real_viewer)
+    hook.volumes.max_bytes = 16 << 10
+    (layer,) = real_viewer.open(p, plugin="gpulazy")
+    real_viewer.dims.ndisplay = 3
+    qtbot.wait(100)
+    assert hook.volumes.swapped == [layer]
+    node = real_viewer.window._qt_viewer.canvas.layer_to_visual[layer].node
+    assert tuple(node._last_data.shape) == tuple(layer.metadata["gpulazy"]["volume"]["shape"])
+    shot = real_viewer.screenshot(canvas_only=True, flash=False)[..., :3]
+    assert (shot.max(axis=-1) > 0).mean() > 0.01
+    real_viewer.dims.ndisplay = 2
 
 
 def test_dock_widget_shows_figures_and_sets_controls(real_viewer, volume):

@@ -14,7 +14,9 @@ reads nothing: each large volume's ``HostView`` is armed (``HostView.defer``) to
 that take no memory (a broadcast array) for a whole-volume request while the viewer is in 3-D and
 the layer not yet swapped; the swap follows in the same event, before anything is drawn. Should
 the coarse level fail to read, the layer is sliced again for real (and the user told why). A
-layer added while the viewer is already in 3-D is armed only once napari has sliced it.
+layer added while the viewer is already in 3-D is armed only once napari has sliced it. A level
+held in host memory is kept for the next entry into 3-D, shown again once every file of the
+volume is stat'ed unchanged (else it is read anew, and a file that changed is named).
 
 Why a swap and not one more level of a multiscale layer: napari's 2-D view picks the coarsest
 level still larger than the canvas, and a level averaged along axis -3 holds no plane of the
@@ -98,6 +100,10 @@ class VolumeSwap:
         self.max_bytes, self.max_side = max_bytes, max_side
         self._saved: dict[int, tuple[Any, Any, np.ndarray, np.ndarray]] = {}  # id(layer) -> what it had
         self._failed: set[int] = set()  # id(layer): its coarse level did not read; napari shows it whole
+        # view -> (level in host memory, factors): shown again on the next entry into 3-D, once the
+        # files are checked unchanged, instead of reading the whole volume again.
+        self._levels: weakref.WeakKeyDictionary[Any, tuple[np.ndarray, tuple[int, int, int]]] = \
+            weakref.WeakKeyDictionary()
         self._step: tuple[int, ...] | None = None
         # napari runs its own callbacks before any plugin's (EventEmitter.connect keeps them first), so
         # napari has sliced the full-resolution volume once in 3-D by the time this one swaps.
@@ -183,15 +189,21 @@ class VolumeSwap:
         view = getattr(layer, "data", None)
         if not isinstance(view, HostView) or getattr(layer, "multiscale", False) or id(layer) in self._saved:
             return
-        found = coarse_volume(view.array, max_bytes=self.max_bytes, max_side=self.max_side)
-        if found is None:
-            return
-        level, factors = found
-        data = _held(level, view, self.max_bytes)
-        if data is None:  # napari was given zeros for the whole volume: let it read the volume itself
-            self._failed.add(id(layer))
-            layer.refresh()
-            return
+        kept = self._levels.get(view)
+        if kept is not None and _unchanged(view):
+            data, factors = kept
+        else:
+            found = coarse_volume(view.array, max_bytes=self.max_bytes, max_side=self.max_side)
+            if found is None:
+                return
+            level, factors = found
+            data = _held(level, view, self.max_bytes)
+            if data is None:  # napari was given zeros for the whole volume: let it read the volume itself
+                self._failed.add(id(layer))
+                layer.refresh()
+                return
+            if isinstance(data, np.ndarray):
+                self._levels[view] = (data, factors)
         scale, translate = np.array(layer.scale, dtype=float), np.array(layer.translate, dtype=float)
         f = np.ones(layer.ndim)
         f[-3:] = factors
@@ -200,8 +212,24 @@ class VolumeSwap:
         # A block's mean sits at the block's centre: (f - 1) / 2 voxels in from its first voxel.
         layer.scale, layer.translate = scale * f, translate + (f - 1) / 2 * scale
         layer.metadata.setdefault("gpulazy", {})["volume"] = {
-            "shape": tuple(level.shape), "factors": factors,
+            "shape": tuple(data.shape), "factors": factors,
             "from": "means over blocks of the full-resolution chunks, for the 3-D view"}
+
+
+def _unchanged(view: Any) -> bool:
+    """Whether every file ``view``'s array reads is as it was indexed (a stat each); ``False`` for
+    an array gpulazy did not index, whose files it cannot check."""
+    from gpulazy.errors import ChunkReadError
+    from gpulazy.integrity import check_all_unchanged
+
+    index = getattr(view.array, "chunk_index", None)
+    if index is None:
+        return False
+    try:
+        check_all_unchanged(index.specs.values())
+    except ChunkReadError:
+        return False
+    return True
 
 
 def _held(level: Any, view: Any, max_bytes: int) -> Any:

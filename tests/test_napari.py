@@ -450,6 +450,35 @@ def test_when_the_coarse_level_fails_napari_reads_the_volume_itself(model, tmp_p
     np.testing.assert_array_equal(np.asarray(layer._slice.image.raw), data)
 
 
+def test_the_coarse_level_is_kept_for_the_next_3d_view_while_the_file_is_unchanged(model, tmp_path, monkeypatch):
+    # Back in 3-D the level held in host memory is shown again, not computed again; once the
+    # file has changed it is not: the read raises, the user is told which file, and no stale
+    # level is shown.
+    from napari_gpulazy import _volume
+
+    data = np.random.default_rng(13).random((24, 40, 36), dtype="f4")
+    hook, view, layer = _large_volume(model, tmp_path, data, 16 << 10)
+    made = []
+    real = _volume.coarse_volume
+    monkeypatch.setattr(_volume, "coarse_volume", lambda *a, **k: made.append(1) or real(*a, **k))
+    model.dims.ndisplay = 3
+    first = np.asarray(layer._slice.image.raw).copy()
+    model.dims.ndisplay = 2
+    model.dims.ndisplay = 3
+    assert hook.volumes.swapped == [layer] and len(made) == 1
+    np.testing.assert_array_equal(np.asarray(layer._slice.image.raw), first)
+    model.dims.ndisplay = 2
+
+    np.save(view.label, data[::-1].copy())  # rewritten: another inode and mtime
+    with _notifications() as seen:
+        try:
+            model.dims.ndisplay = 3
+        except OSError:
+            pass  # napari's own slice of the volume fails too, naming the file
+    assert hook.volumes.swapped == [] and layer.data is view
+    assert any(view.label in str(n.message) for n in seen)
+
+
 def test_small_volumes_and_pyramids_stay_as_they_are_in_3d(model, volume):
     from napari_gpulazy import attach, read_layers
 

@@ -99,7 +99,7 @@ class VolumeSwap:
         self._viewer = weakref.ref(viewer)
         self.max_bytes, self.max_side = max_bytes, max_side
         self._saved: dict[int, tuple[Any, Any, np.ndarray, np.ndarray]] = {}  # id(layer) -> what it had
-        self._failed: set[int] = set()  # id(layer): its coarse level did not read; napari shows it whole
+        self._failed: set[int] = set()  # id(layer): its level did not read in this 3-D view; napari shows it whole
         # view -> (level in host memory, factors): shown again on the next entry into 3-D, once the
         # files are checked unchanged, instead of reading the whole volume again.
         self._levels: weakref.WeakKeyDictionary[Any, tuple[np.ndarray, tuple[int, int, int]]] = \
@@ -179,6 +179,7 @@ class VolumeSwap:
             layer.scale, layer.translate = scale, translate
             layer.metadata.get("gpulazy", {}).pop("volume", None)
         self._saved.clear()
+        self._failed.clear()  # the next entry into 3-D tries the coarse level again (and defers again)
         step, self._step = self._step, None
         if viewer is not None and step is not None and len(step) == len(viewer.dims.current_step):
             viewer.dims.current_step = step

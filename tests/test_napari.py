@@ -444,10 +444,20 @@ def test_when_the_coarse_level_fails_napari_reads_the_volume_itself(model, tmp_p
 
     data = np.random.default_rng(11).random((16, 32, 32), dtype="f4")
     hook, view, layer = _large_volume(model, tmp_path, data, 8 << 10)
+    real = _volume._held
     monkeypatch.setattr(_volume, "_held", lambda *a: None)
     model.dims.ndisplay = 3
     assert hook.volumes.swapped == [] and layer.data is view
     np.testing.assert_array_equal(np.asarray(layer._slice.image.raw), data)
+    model.dims.ndisplay = 2
+
+    # A failure lasts one 3-D view: the next entry defers napari's slice and swaps again.
+    monkeypatch.setattr(_volume, "_held", real)
+    read = []
+    real_host = type(view).to_host
+    monkeypatch.setattr(type(view), "to_host", lambda self: read.append(self.shape) or real_host(self))
+    model.dims.ndisplay = 3
+    assert hook.volumes.swapped == [layer] and data.shape not in read
 
 
 def test_the_coarse_level_is_kept_for_the_next_3d_view_while_the_file_is_unchanged(model, tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ copy (into its own slot). Counted by the code that allocates and copies
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -147,6 +149,66 @@ def test_a_destination_of_the_wrong_shape_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"\(16, 16\)"):
         start([spec], get_backend("posix", "cpu"), [np.empty((16, 15), "<u2")], check=False)
 
+
+# -- verified reads: the landed chunks of a submission hashed together ---------------------------
+
+def test_a_verified_chunk_is_checked_with_the_landed_chunks_of_its_submission(tmp_path, monkeypatch):
+    """Asking for one verified chunk hashes every chunk of the submission that has landed in one
+    ``verify_chunks`` call (a pick task of a dask compute would otherwise hash its own); a chunk
+    whose bytes changed after the manifest fails alone, naming its file."""
+    from gpulazy import checksums
+    from gpulazy.errors import ChunkReadError
+
+    p, data = _raw(tmp_path, shape=(8, 16, 16))
+    checksums.write_manifest([p], block_size=512)
+    with open(p, "r+b") as f:  # one byte of chunk 5 changed since the manifest, size and mtime kept
+        st = os.fstat(f.fileno())
+        f.seek(5 * 16 * 16 * 2 + 7)
+        f.write(bytes([(int(data.view("u1")[5].ravel()[7]) + 1) % 256]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(1, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    calls = []
+    real = checksums.verify_chunks
+
+    def spy(bufs, specs_):
+        calls.append(len(bufs))
+        return real(bufs, specs_)
+
+    monkeypatch.setattr(checksums, "verify_chunks", spy)
+    reads = start(specs, get_backend("posix", "cpu"), verify=True, check=False)
+    for f in reads.futures:
+        f.future.result()  # every read has landed (not yet verified)
+    np.testing.assert_array_equal(reads.chunk(2), data[2:3])
+    assert calls == [8]  # all eight in one call
+    for i in (0, 1, 3, 4, 6, 7):
+        np.testing.assert_array_equal(reads.chunk(i), data[i:i + 1])
+    with pytest.raises(ChunkReadError) as e:
+        reads.chunk(5)
+    assert p in str(e.value)
+    assert calls == [8]  # none hashed twice
+
+
+def test_an_unverified_plain_chunk_finishes_alone(tmp_path, monkeypatch):
+    """Without ``verify`` a chunk read as stored needs no work of the others: asking for it
+    finishes it alone, so the first chunk a viewer needs waits for nothing else."""
+    from gpulazy.read import engine
+
+    p, data = _raw(tmp_path, shape=(4, 16, 16))
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(1, 16, 16), device="cpu", cache=False)
+    finished = []
+    real = engine.Reads._finish
+
+    def spy(self, idx):
+        finished.append(list(idx))
+        return real(self, idx)
+
+    monkeypatch.setattr(engine.Reads, "_finish", spy)
+    reads = start(list(vol.chunk_index.specs.values()), get_backend("posix", "cpu"), check=False)
+    for f in reads.futures:
+        f.result()
+    np.testing.assert_array_equal(reads.chunk(1), data[1:2])
+    assert finished == [[1]]
 
 # -- errors: each chunk its own, every read settled ------------------------------------------
 

@@ -89,19 +89,21 @@ class Reads:
     """Chunks whose reads are in flight, each with its destination.
 
     ``chunk(i)`` waits for chunk ``i`` only (a chunk of stored pieces: for every
-    stored-piece chunk of the batch, which decode together) and returns it; ``result()``
+    stored-piece chunk of the batch, which decode together; a verified chunk also finishes
+    the verified chunks that have landed, hashed together) and returns it; ``result()``
     returns them all, raising the first error once every read has settled; ``done(i)``
     never blocks. Safe from several threads at once. A ``Reads`` dropped unfinished waits
     for its reads (the backend's batch does) before its buffers go.
     """
 
-    __slots__ = ("specs", "device", "dests", "bufs", "inplace", "futures", "outcomes", "_lock", "__weakref__")
+    __slots__ = ("specs", "device", "dests", "bufs", "inplace", "futures", "outcomes", "verify", "_lock",
+                 "__weakref__")
 
     def __init__(self, specs: list[ChunkSpec], backend: Backend, outs: Sequence[Any] | None, verify: bool,
                  staged: bool | None):
         dev = backend.device
         n = len(specs)
-        self.specs, self.device = specs, dev
+        self.specs, self.device, self.verify = specs, dev, verify
         self.dests: list[Any] = [None] * n
         self.bufs: list[Any] = [None] * n
         self.inplace = [False] * n
@@ -140,12 +142,24 @@ class Reads:
         if outcome is _PENDING:
             with self._lock:
                 if self.outcomes[i] is _PENDING:
-                    self._finish([j for j in range(len(self.specs)) if self.specs[j].is_assembled
-                                  and self.outcomes[j] is _PENDING] if self.specs[i].is_assembled else [i])
+                    self._finish(self._together(i))
                 outcome = self.outcomes[i]
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+    def _together(self, i: int) -> list[int]:
+        # Lock held. Chunks of stored pieces decode in one call, so they finish together. A
+        # verified chunk read as stored finishes with the others of its kind that have landed:
+        # one hash kernel and one wait for all of them, where each pick task of a dask compute
+        # would otherwise hash and wait for its own (0.80-0.90 x the plain read through dask's
+        # threads, against 0.90-1.10 x together, on an H100).
+        assembled = self.specs[i].is_assembled
+        if not assembled and not self.verify:
+            return [i]
+        return [j for j in range(len(self.specs)) if j == i or (
+            self.outcomes[j] is _PENDING and self.specs[j].is_assembled == assembled
+            and (assembled or self.futures[j].done()))]
 
     def result(self) -> list[Any]:
         """Every chunk, in order; the first error is raised once every read has settled."""

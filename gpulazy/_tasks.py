@@ -13,7 +13,7 @@ Streams: a chunk a task returns is complete on every CUDA stream and thread (doc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from gpulazy import config
@@ -30,18 +30,25 @@ class ChunkSource:
     ``device``: ``"cpu"`` or ``"cuda:N"``; ``backend``: a backend name or ``None`` for
     ``"auto"``; ``cache``: a ``CacheRef`` (made anew in a process that lacks it), a
     ``DeviceCache`` name, ``None`` for the default cache, or ``False`` for no cache;
-    ``verify``: check stored bytes against their checksums (reads then bypass the cache).
+    ``verify``: check stored bytes against their checksums (reads then bypass the cache);
+    ``lane``: ``"bulk"``, or ``"view"`` for reads a viewer waits on, which then never queue
+    behind read-ahead (``gpulazy.io.get_backend``; ``ChunkSource.for_viewer``).
     """
 
     device: str
     backend: str | None = None
     cache: Any = None
     verify: bool = False
+    lane: str = "bulk"
 
     def backend_instance(self):
         from gpulazy.io import get_backend
 
-        return get_backend(self.backend, self.device)
+        return get_backend(self.backend, self.device, lane=self.lane)
+
+    def for_viewer(self) -> ChunkSource:
+        """This source with its reads in the view lane (same files, device and cache)."""
+        return self if self.lane == "view" else replace(self, lane="view")
 
     def cache_instance(self):
         """The ``DeviceCache`` this source reads through, or ``None``."""

@@ -22,6 +22,7 @@ __all__ = [
     "backend_class",
     "select_backend",
     "get_backend",
+    "LANES",
 ]
 
 _BUILTIN = {
@@ -79,22 +80,40 @@ _instances: dict[tuple, Backend] = {}
 _lock = threading.Lock()
 
 
+#: Lanes: ``"bulk"`` (chunk tasks, read-ahead, whole-array reads) and ``"view"`` (the reads
+#: a viewer waits on to show a plane). Each lane has backend instances of its own.
+LANES = ("bulk", "view")
+
+
 def get_backend(name: str | None = None, device: str | Device | None = None, *,
-                threads: int | None = None, task_size: int | None = None) -> Backend:
-    """A ready backend instance (shared per name, device and settings).
+                threads: int | None = None, task_size: int | None = None, lane: str = "bulk") -> Backend:
+    """A ready backend instance (shared per name, device, settings and lane).
 
     ``name=None`` follows ``config.get("backend")``, then ``"auto"``. Asking for a
     backend that cannot run on this device raises ``BackendUnavailableError`` saying why.
+
+    ``lane="view"`` is for reads someone is waiting on while read-ahead runs (a viewer's
+    plane): a backend's queue is first in, first out, so a plane submitted behind a
+    gigabyte of read-ahead waited for all of it (a 4 MiB plane read took 86 ms behind three
+    32 MiB chunk warm-ups). The view lane is a separate instance with its own threads. A
+    backend whose queue is process-wide (``Backend.shared_queue``: KvikIO's one thread pool)
+    cannot give a second queue, so its view lane is ``posix`` (pinned buffers, non-blocking
+    streams) on that device.
     """
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
     dev = get_device(device)
     name = name or config.get("backend") or "auto"
     if name == "auto":
         name, because = select_backend(dev)
     else:
         because = "asked for by name"
+    if lane == "view" and backend_class(name).shared_queue:
+        name, because = "posix", (f"the view lane: {name}'s read queue is shared by the whole process, so "
+                                  "reads a viewer waits on go through pinned host buffers on threads of their own")
     threads = int(threads or config.get("threads"))
     task_size = int(task_size or config.get("task_size"))
-    key = (name, dev.name, threads, task_size)
+    key = (name, dev.name, threads, task_size, lane)
     with _lock:
         backend = _instances.get(key)
         if backend is None or backend.closed:  # a closed instance is replaced, never handed out

@@ -128,13 +128,16 @@ class Backend(ABC):
     """An I/O backend bound to one device.
 
     Subclasses set ``name``, ``device_direct`` (bytes land in device memory without a
-    host copy of ours), ``devices`` (``{"cpu", "cuda"}`` subset) and implement
+    host copy of ours), ``devices`` (``{"cpu", "cuda"}`` subset), ``shared_queue`` and implement
     ``availability`` and ``submit``.
     """
 
     name: ClassVar[str]
     device_direct: ClassVar[bool] = False
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    #: True when every instance feeds one process-wide queue (KvikIO's thread pool): a second
+    #: instance would not let a read overtake those already queued (see ``get_backend``'s lanes).
+    shared_queue: ClassVar[bool] = False
 
     def __init__(self, device: Device, *, threads: int | None = None, task_size: int | None = None,
                  stats: Stats | None = None):

@@ -59,6 +59,7 @@ class KvikioBackend(Backend):
     name = "kvikio"
     device_direct = True
     devices = frozenset({"cuda"})
+    shared_queue = True  # one KvikIO thread pool per process (``kvikio.defaults`` ``num_threads``)
 
     def __init__(self, device: Device, **kwargs: Any):
         super().__init__(device, **kwargs)

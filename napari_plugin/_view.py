@@ -192,17 +192,22 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     queued before them. A plain chunk (uncompressed, untiled: ``_part_read``) of which the box needs little
     is not waited for at all: the box's byte range is read straight into the result and the
     whole chunk is warmed behind it, for the next plane.
+
+    Every read this function waits on goes through the view lane (``ChunkSource.for_viewer``):
+    a backend's queue is first in, first out, and a plane queued behind the read-ahead a jump
+    started waited for all of it.
     """
     from gpulazy.device import get_device, own_stream
 
     source = array.chunk_source
+    view = source.for_viewer()
     cache = source.cache_instance()
     dev = get_device(source.device)
     pieces, shape = _pieces(array, box)
     out = dev.alloc(shape, array.dtype)
     if cache is None:
         for spec, region, at in pieces:
-            chunk = source.read(spec)
+            chunk = view.read(spec)
             with own_stream(dev):
                 out[at] = chunk[region]
         return out
@@ -214,7 +219,7 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     whole = [p[0] for p in uncached if id(p) not in parts and not cache.holds(p[0])]
     if claim is not None and absent:
         claim([])                # the read-ahead queued before this plane is stale: dropped
-    read = _read_together(whole, source) if len(whole) > 1 else {}
+    read = _read_together(whole, view) if len(whole) > 1 else {}
     for p in pieces:
         spec, region, at = p
         part = parts.get(id(p))
@@ -223,10 +228,10 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
                 out[at] = read[spec.key][region]
             continue
         if part is None:
-            cache.get_region(spec, source.read, region, out=out[at])
+            cache.get_region(spec, view.read, region, out=out[at])
             continue
         sub, sub_region = part
-        chunk = source.read(sub)
+        chunk = view.read(sub)
         with own_stream(dev):
             out[at] = chunk[sub_region]
         if transfers is not None:

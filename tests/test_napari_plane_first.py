@@ -223,3 +223,34 @@ def test_gpu_plane_first_part_reads_and_coarsest_level(model, tmp_path):
     finally:
         napari_gpulazy.detach(model)
         cache.close()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="gates reads by file offset")
+def test_a_plane_is_not_queued_behind_the_read_ahead_of_its_volume(volume, cache, gate, monkeypatch):
+    from gpulazy.io import _posix
+
+    path, data = volume
+    entered, real = threading.Event(), _posix._preadv
+    with gpulazy.config.set(threads=2, task_size="4 KiB"):               # 10 pieces a chunk, 2 threads a lane
+        view, _ = _layer_of(path, cache, chunks=(8, 40, 32), prefetch=False)
+        warmed = view.array.chunk_index.specs[(2, 0, 0)].ranges[0]       # planes 16..23
+
+        def disk(fd, buffers, offset):                                   # the read-ahead's bytes, held
+            if warmed.offset <= offset < warmed.offset + warmed.nbytes:
+                entered.set()
+                gate.wait(30)
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(_posix, "_preadv", disk)
+        assert cache.prefetch([view.array.chunk_index.specs[(2, 0, 0)]], view.array.chunk_source.read) == 1
+        assert entered.wait(10)                                          # both bulk threads held now
+        shown = []
+        viewer = threading.Thread(target=lambda: shown.append(np.asarray(view[5])), daemon=True)
+        viewer.start()
+        viewer.join(10)
+    assert shown, "the plane waited behind the read-ahead"
+    np.testing.assert_array_equal(shown[0], data[5])
+    assert view.transfers.part_reads == 1
+    gate.set()
+    wait_idle(cache)
+    assert view.array.chunk_index.specs[(2, 0, 0)] in cache

@@ -29,13 +29,21 @@ from gpulazy.prefetch.motion import MotionPrefetch
 __all__ = ["attach", "detach", "ViewerPrefetch", "hook_of"]
 
 _HOOKS: dict[int, ViewerPrefetch] = {}
+#: Planes warmed on each side of the cursor while its direction is unknown. After a jump the
+#: old default (``depth`` planes, both sides) started four 128 MiB chunk reads at once on an
+#: 8 GiB raw volume, beside the plane on screen.
+UNSURE = 2
 
 
-def attach(viewer: Any, *, depth: int | None = None) -> ViewerPrefetch:
-    """The viewer's ``ViewerPrefetch``, connected now if it was not yet (idempotent)."""
+def attach(viewer: Any, *, depth: int | None = None, unsure: int | None = UNSURE) -> ViewerPrefetch:
+    """The viewer's ``ViewerPrefetch``, connected now if it was not yet (idempotent).
+
+    ``unsure``: planes warmed on each side while the direction is unknown (at rest, after a
+    jump; ``MotionPredictor``), for layers met from now on; ``None`` for ``depth``.
+    """
     hook = hook_of(viewer)
     if hook is None:
-        hook = _HOOKS[id(viewer)] = ViewerPrefetch(viewer, depth=depth)
+        hook = _HOOKS[id(viewer)] = ViewerPrefetch(viewer, depth=depth, unsure=unsure)
     elif depth is not None:
         hook.depth = depth
     return hook
@@ -55,9 +63,10 @@ def detach(viewer: Any) -> None:
 class ViewerPrefetch:
     """Warm the chunks of a viewer's gpulazy layers ahead of its sliders."""
 
-    def __init__(self, viewer: Any, *, depth: int | None = None):
+    def __init__(self, viewer: Any, *, depth: int | None = None, unsure: int | None = UNSURE):
         self._viewer = weakref.ref(viewer)
         self._depth = depth
+        self._unsure = unsure
         self._last = tuple(viewer.dims.current_step)
         self._warmers: dict[int, tuple[Any, MotionPrefetch]] = {}  # id(array) -> (array, warmer)
         self._claimed: dict[int, weakref.ref] = {}  # id(view) -> view handed a warmer's ``claim``
@@ -152,7 +161,7 @@ class ViewerPrefetch:
     def _warmer(self, arr: Any) -> MotionPrefetch:
         entry = self._warmers.get(id(arr))
         if entry is None or entry[0] is not arr:
-            entry = self._warmers[id(arr)] = (arr, MotionPrefetch(arr, depth=self._depth))
+            entry = self._warmers[id(arr)] = (arr, MotionPrefetch(arr, depth=self._depth, unsure=self._unsure))
         return entry[1]
 
     def _hand_claim(self, layer: Any, arr: Any, warmer: MotionPrefetch) -> None:

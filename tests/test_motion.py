@@ -63,6 +63,15 @@ def test_jump_resets_direction_and_warms_both_sides():
     assert p.upcoming(5, size=1000) == [501, 499, 502, 498, 503]
 
 
+def test_unsure_bounds_the_planes_warmed_until_the_direction_shows():
+    p = MotionPredictor(unsure=2)
+    _feed(p, [(0.05 * k, k) for k in range(6)])
+    assert p.upcoming(4, size=1000)[:16] == list(range(6, 22))          # moving (20 planes/s): not bounded
+    assert p.observe(0.3, 500) and p.upcoming(16, size=1000) == [501, 499]
+    p.observe(0.35, 501)
+    assert p.direction == 1 and p.upcoming(16, size=1000)[:16] == list(range(502, 518))
+
+
 def test_rest_starts_a_new_motion_and_repeats_are_ignored():
     p = MotionPredictor(window=1.0, lead=0.0)
     _feed(p, [(0.0, 10), (0.1, 11), (0.2, 12)])

@@ -28,6 +28,7 @@ True
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import statistics
@@ -56,13 +57,19 @@ class MotionPredictor:
         See ``jump``: a drag moves many planes per event without being a jump.
     lead
         Seconds ahead to warm at the current speed (at least ``depth`` planes in ``upcoming``).
+    unsure
+        Most planes ``upcoming`` lists while the direction is unknown (at rest, just after a
+        jump): ``None`` for ``depth``. Warming ``depth`` planes on both sides of a jump starts
+        reads on the side the cursor will not take, beside the planes it will ask for next.
     """
 
-    def __init__(self, *, window: float = 1.0, jump: int = 8, jump_factor: float = 4.0, lead: float = 1.0):
+    def __init__(self, *, window: float = 1.0, jump: int = 8, jump_factor: float = 4.0, lead: float = 1.0,
+                 unsure: int | None = None):
         self.window = float(window)
         self.jump = int(jump)
         self.jump_factor = float(jump_factor)
         self.lead = float(lead)
+        self.unsure = None if unsure is None else max(1, int(unsure))
         self._track: deque[tuple[float, int]] = deque()   # (t, index) since the last jump or rest
         self._deltas: deque[tuple[float, int]] = deque()  # (t, |move|) of recent events, jumps too
         self.jumps = 0
@@ -129,8 +136,8 @@ class MotionPredictor:
         """The planes to warm, most urgent first, within ``0 <= index < size``.
 
         Moving: ``max(depth, speed * lead / stride)`` positions ahead, ``stride`` apart.
-        Otherwise (rest, jump, back and forth): ``depth`` planes alternating after and
-        before the cursor.
+        Otherwise (rest, jump, back and forth): ``depth`` planes (at most ``unsure``)
+        alternating after and before the cursor.
         """
         here = self.position
         if here is None or depth <= 0:
@@ -140,6 +147,8 @@ class MotionPredictor:
             s = self.stride
             n = max(depth, math.ceil(self.speed * self.lead / s))
             return [i for i in (here + d * s * k for k in range(1, n + 1)) if 0 <= i < size]
+        if self.unsure is not None:
+            depth = min(depth, self.unsure)
         out = []
         for k in range(1, size):
             for i in (here + k, here - k):
@@ -194,6 +203,9 @@ class MotionPrefetch:
         ``load(spec)`` the cache calls for a chunk (default: the array's own reader).
     predictor
         Factory of the ``MotionPredictor`` used for each new axis of motion.
+    unsure
+        With the default ``predictor``: its ``unsure`` (planes warmed while the direction is
+        unknown; ``None``: ``depth``).
 
     Examples
     --------
@@ -209,7 +221,7 @@ class MotionPrefetch:
     """
 
     def __init__(self, array: Any, *, depth: int | None = None, load: Callable[[ChunkSpec], Any] | None = None,
-                 predictor: Callable[[], MotionPredictor] = MotionPredictor):
+                 predictor: Callable[[], MotionPredictor] | None = None, unsure: int | None = None):
         index = getattr(array, "chunk_index", None)
         if index is None:
             raise TypeError("MotionPrefetch needs an array made by gpulazy.from_files (with a chunk_index), "
@@ -221,7 +233,7 @@ class MotionPrefetch:
         self.source = array.chunk_source
         self.load = load or self.source.read
         self._depth = depth
-        self._new_predictor = predictor
+        self._new_predictor = predictor or functools.partial(MotionPredictor, unsure=unsure)
         self.predictor: MotionPredictor | None = None
         self._motion: tuple | None = None  # (axis, displayed) the predictor follows
         self._plan: ReadAheadPlan | None = None

@@ -293,7 +293,7 @@ def run_ways(ways: list[str], path: str, args: argparse.Namespace, planes: list[
                     _view.PLANE_FIRST = way != "gpulazy-serial"
                     done.append(one_pass(*opened[way], name, path, args, planes))
             for way, done in runs.items():
-                out[way][name] = row = summarise(done, split)
+                out[way][name] = row = summarise(done, split, planes)
                 print(f"  {way:14s} {name:9s} forward p50 {row['forward']['p50_ms']:8.2f} ms  p95 "
                       f"{row['forward']['p95_ms']:8.2f} ms  jump {row['jump_ms']:8.2f} ms "
                       f"(max {row['jump_max_ms']:.2f})"
@@ -326,7 +326,8 @@ def one_pass(viewer: Any, layer: Any, cache: Any, name: str, path: str, args: ar
     if name == "prefetch":
         import napari_gpulazy
 
-        hook = napari_gpulazy.attach(viewer, depth=args.depth)
+        hook = napari_gpulazy.attach(viewer, depth=args.depth,
+                                     **({} if args.unsure is None else {"unsure": args.unsure or None}))
     viewer.dims.set_current_step(0, planes[0] - 1)  # a step away: the first timed step is an event
     if cache is not None:
         from gpulazy.testing import wait_for_idle
@@ -345,14 +346,16 @@ def one_pass(viewer: Any, layer: Any, cache: Any, name: str, path: str, args: ar
     return run
 
 
-def summarise(runs: list[dict[str, Any]], split: int) -> dict[str, Any]:
-    """One row from the repeats of a pass: latencies pooled, the jump's median and max."""
+def summarise(runs: list[dict[str, Any]], split: int, planes: list[int]) -> dict[str, Any]:
+    """One row from the repeats of a pass: latencies pooled, the jump's median and max, and the
+    slowest steps (``[plane, ms]``): with 20 steps after a jump, one slow step sets their p95."""
     forward = [m for r in runs for m in r["ms"][:split]]
     after = [m for r in runs for m in r["ms"][split + 1:]]
     jumps = [r["ms"][split] for r in runs if split < len(r["ms"])]
     row: dict[str, Any] = {"forward": percentiles(forward), "after_jump": percentiles(after),
                            "jump_ms": float(np.median(jumps)) if jumps else float("nan"),
-                           "jump_max_ms": max(jumps) if jumps else float("nan"), "jumps_ms": jumps}
+                           "jump_max_ms": max(jumps) if jumps else float("nan"), "jumps_ms": jumps,
+                           "slowest": slowest(runs, planes)}
     if "resident_after_drop" in runs[0]:
         row["resident_after_drop"] = max(r["resident_after_drop"] for r in runs)
     if "stats" in runs[0]:
@@ -363,6 +366,12 @@ def summarise(runs: list[dict[str, Any]], split: int) -> dict[str, Any]:
     if "motion" in runs[0]:
         row["motion"] = {k: sum(r["motion"][k] for r in runs) for k in runs[0]["motion"]}
     return row
+
+
+def slowest(runs: list[dict[str, Any]], planes: list[int], n: int = 6) -> list[list[float]]:
+    """The ``n`` slowest steps of the repeats, ``[plane, ms]``, slowest first."""
+    steps = [(ms, z) for r in runs for z, ms in zip(planes, r["ms"])]
+    return [[z, round(ms, 2)] for ms, z in sorted(steps, reverse=True)[:n]]
 
 
 def table(result: dict[str, Any]) -> str:
@@ -409,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jump-to", type=int, default=None, help="plane jumped to (default: 3/4 of the way)")
     ap.add_argument("--rate", type=float, default=20.0, help="planes per second")
     ap.add_argument("--depth", type=int, default=16, help="planes warmed ahead (prefetch pass)")
+    ap.add_argument("--unsure", type=int, default=None,
+                    help="planes warmed each side while the direction is unknown (0: --depth; default: the "
+                         "plugin's)")
     ap.add_argument("--chunk-mib", type=float, default=128.0, help="target chunk size (gpulazy's default 128)")
     ap.add_argument("--format", choices=("raw", "zarr-zstd", "tiff"), default="raw",
                     help="raw float32 + sidecar, a zstd-1 Zarr v3 uint16 store in --chunks, or a multi-page "

@@ -10,6 +10,7 @@ copy (into its own slot). Counted by the code that allocates and copies
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -209,6 +210,54 @@ def test_an_unverified_plain_chunk_finishes_alone(tmp_path, monkeypatch):
         f.result()
     np.testing.assert_array_equal(reads.chunk(1), data[1:2])
     assert finished == [[1]]
+
+
+def test_one_stat_checks_the_chunks_whose_reads_landed_before_it(tmp_path, monkeypatch):
+    """Chunks finished one at a time (dask's pick tasks) share the identity stat taken after
+    their reads landed: eight chunks of one file, one stat. A write after that stat is still
+    caught for a chunk whose read had not landed when it was taken."""
+    from gpulazy import integrity
+
+    p, data = _raw(tmp_path, shape=(8, 16, 16))
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(1, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    stats = []
+    real = integrity._changes
+
+    def spy(ident):
+        stats.append(ident)
+        return real(ident)
+
+    monkeypatch.setattr(integrity, "_changes", spy)
+    reads = start(specs[:7], get_backend("posix", "cpu"), check=False)
+    for f in reads.futures:
+        f.result()                                                   # every read has landed
+    for i in range(7):
+        np.testing.assert_array_equal(reads.chunk(i), data[i:i + 1])
+    assert len(stats) == 1
+
+    from gpulazy.io import _posix
+
+    gate, real_preadv = threading.Event(), _posix._preadv
+    chunk7 = specs[7].ranges[0]
+
+    def held(fd, buffers, offset):                                    # chunk 7's read waits at the gate
+        if chunk7.offset <= offset < chunk7.offset + chunk7.nbytes:
+            gate.wait(30)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(_posix, "_preadv", held)
+    try:
+        late = start(specs[6:], get_backend("posix", "cpu", threads=2), check=False)
+        np.testing.assert_array_equal(late.chunk(0), data[6:7])      # its stat: chunk 7 not landed
+        with open(p, "ab") as f:                                     # the file grows after that stat
+            f.write(b"\0\0")
+    finally:
+        gate.set()
+    with pytest.raises(ChunkReadError) as e:
+        late.chunk(1)
+    assert p in str(e.value) and len(stats) == 3
+
 
 # -- errors: each chunk its own, every read settled ------------------------------------------
 

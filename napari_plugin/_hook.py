@@ -29,10 +29,11 @@ from gpulazy.prefetch.motion import MotionPrefetch
 __all__ = ["attach", "detach", "ViewerPrefetch", "hook_of"]
 
 _HOOKS: dict[int, ViewerPrefetch] = {}
-#: Planes warmed on each side of the cursor while its direction is unknown. After a jump the
-#: old default (``depth`` planes, both sides) started four 128 MiB chunk reads at once on an
-#: 8 GiB raw volume, beside the plane on screen.
-UNSURE = 2
+#: Planes warmed on each side of the cursor while its direction is unknown (``None``: ``depth``).
+#: On an H100 (8 GiB raw float32, 8-plane chunks of 128 MiB) 2 took the p95 of the 20 steps after
+#: a jump from 12.4 to 10.6 ms, but a motion starting from rest then warmed two chunks at once and
+#: its second step hitched 119-249 ms (two runs of two; not with ``None``), so it stays ``None``.
+UNSURE: int | None = None
 
 
 def attach(viewer: Any, *, depth: int | None = None, unsure: int | None = UNSURE) -> ViewerPrefetch:

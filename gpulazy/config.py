@@ -86,6 +86,8 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
     "chunk_size": (lambda: 128 << 20, parse_bytes, "target bytes of a default chunk"),
     "cache": (lambda: "25%", _cache_capacity, "capacity of the default device cache ('25%' of free memory, '8 GiB', False)"),
     "prefetch_depth": (lambda: 8, _positive_int, "how many chunk reads the prefetcher runs ahead"),
+    "prefetch_inflight": (lambda: 256 << 20, parse_bytes,
+                          "bytes of chunks a cache's prefetch threads load at once (one chunk always may)"),
     "gpu_decode": (lambda: True, _flag, "decode compressed chunks on the GPU where nvCOMP/CuPy can (False: on the "
                    "host, e.g. for files you do not trust: nvCOMP assumes valid input)"),
     "batch_size": (lambda: 512 << 20, parse_bytes,

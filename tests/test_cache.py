@@ -388,6 +388,30 @@ def test_prefetch_skips_in_flight_and_queued(tmp_path, caches):
     assert load.count == 3
 
 
+def test_prefetch_loads_in_flight_stay_within_prefetch_inflight(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=6)
+    cache = caches("1 MiB", device="cpu")
+    gate = threading.Event()
+    load = Loader(gate=gate)
+    gpulazy.config.set(threads=4, prefetch_inflight=2 * specs[0].out_nbytes)
+    assert cache.prefetch(specs, load) == 6
+    deadline = time.monotonic() + 5
+    while load.count < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    deadline = time.monotonic() + 0.5                   # four idle workers: a third load would start now
+    while load.count == 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert load.count == 2 and cache.stats()["queued"] == 4
+    gate.set()
+    wait_idle(cache)
+    assert load.count == 6 and all(s in cache for s in specs)
+    gpulazy.config.set(prefetch_inflight=1)             # one chunk always may load
+    cache.clear()
+    assert cache.prefetch(specs[:2], Loader()) == 2
+    wait_idle(cache)
+    assert all(s in cache for s in specs[:2])
+
+
 def test_get_waits_on_a_running_prefetch(tmp_path, caches):
     _, specs = make_file(tmp_path, nchunks=1)
     cache = caches("1 MiB", device="cpu")

@@ -48,7 +48,7 @@ from gpulazy.spec import ChunkSpec
 __all__ = ["Reads", "start", "read", "byte_view"]
 
 _PENDING = object()
-#: How many chunks after those finishing ``Reads._check_landed`` looks at for reads that landed.
+#: The most chunks after those finishing that ``Reads._check_landed`` checks with their stat.
 _LANDED_SCAN = 64
 
 
@@ -227,9 +227,15 @@ class Reads:
         # (about a tenth of the main thread's time per chunk of a read + compute pass).
         if idx:
             files = {ident for i in idx for ident in self.specs[i].identity}
-            later = [j for j in range(max(idx) + 1, min(len(self.specs), max(idx) + 1 + _LANDED_SCAN))
-                     if self.outcomes[j] is _PENDING and j not in self.checked
-                     and files.issuperset(self.specs[j].identity) and self.futures[j].done()]
+            later = []
+            for j in range(max(idx) + 1, min(len(self.specs), max(idx) + 1 + _LANDED_SCAN)):
+                if self.outcomes[j] is not _PENDING or j in self.checked:
+                    continue
+                # Reads land about in order: the scan ends at the first chunk still reading or of
+                # other files, so it costs about one ``done()`` a chunk, not ``_LANDED_SCAN``.
+                if not files.issuperset(self.specs[j].identity) or not self.futures[j].done():
+                    break
+                later.append(j)
             changed = unchanged_each([self.specs[i] for i in idx])  # after ``done()``: after those reads
             for j in itertools.chain(idx, later):
                 self.checked[j] = changed(self.specs[j])

@@ -40,7 +40,8 @@ def attach(viewer: Any, *, depth: int | None = None, unsure: int | None = UNSURE
     """The viewer's ``ViewerPrefetch``, connected now if it was not yet (idempotent).
 
     ``unsure``: planes warmed on each side while the direction is unknown (at rest, after a
-    jump; ``MotionPredictor``), for layers met from now on; ``None`` for ``depth``.
+    jump; ``MotionPredictor``); ``None`` for ``depth``. It is set when the hook is made: a
+    viewer already attached keeps its own.
     """
     hook = hook_of(viewer)
     if hook is None:

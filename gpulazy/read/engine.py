@@ -220,9 +220,9 @@ class Reads:
                     self.outcomes[i] = error
 
     def _check_landed(self, idx: list[int]) -> dict[int, Any]:
-        # Lock held. The files of ``idx`` are stat'ed now, after their reads landed. Chunks of
-        # the same files whose reads have landed too (the next ``_LANDED_SCAN`` pending ones) are
-        # checked by the same stats and finish later without one: a dask compute finishes its
+        # Lock held. The files of ``idx`` are stat'ed now, after their reads landed. The pending
+        # chunks right after them whose reads have landed too, of the same files, are checked by
+        # the same stats and finish later without one: a dask compute finishes its
         # chunks one pick task at a time, and a stat per chunk cost 0.1-0.2 ms on an H100 host
         # (about a tenth of the main thread's time per chunk of a read + compute pass).
         if idx:

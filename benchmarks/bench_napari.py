@@ -326,8 +326,7 @@ def one_pass(viewer: Any, layer: Any, cache: Any, name: str, path: str, args: ar
     if name == "prefetch":
         import napari_gpulazy
 
-        hook = napari_gpulazy.attach(viewer, depth=args.depth,
-                                     **({} if args.unsure is None else {"unsure": args.unsure or None}))
+        hook = napari_gpulazy.attach(viewer, depth=args.depth, unsure=args.unsure or None)
     viewer.dims.set_current_step(0, planes[0] - 1)  # a step away: the first timed step is an event
     if cache is not None:
         from gpulazy.testing import wait_for_idle
@@ -419,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=20.0, help="planes per second")
     ap.add_argument("--depth", type=int, default=16, help="planes warmed ahead (prefetch pass)")
     ap.add_argument("--unsure", type=int, default=None,
-                    help="planes warmed each side while the direction is unknown (0: --depth; default: the "
-                         "plugin's)")
+                    help="planes warmed each side while the direction is unknown (default: --depth, as the "
+                         "plugin does)")
     ap.add_argument("--chunk-mib", type=float, default=128.0, help="target chunk size (gpulazy's default 128)")
     ap.add_argument("--format", choices=("raw", "zarr-zstd", "tiff"), default="raw",
                     help="raw float32 + sidecar, a zstd-1 Zarr v3 uint16 store in --chunks, or a multi-page "

@@ -29,19 +29,17 @@ from gpulazy.prefetch.motion import MotionPrefetch
 __all__ = ["attach", "detach", "ViewerPrefetch", "hook_of"]
 
 _HOOKS: dict[int, ViewerPrefetch] = {}
-#: Planes warmed on each side of the cursor while its direction is unknown (``None``: ``depth``).
-#: On an H100 (8 GiB raw float32, 8-plane chunks of 128 MiB) 2 took the p95 of the 20 steps after
-#: a jump from 12.4 to 10.6 ms, but a motion starting from rest then warmed two chunks at once and
-#: its second step hitched 119-249 ms (two runs of two; not with ``None``), so it stays ``None``.
-UNSURE: int | None = None
 
 
-def attach(viewer: Any, *, depth: int | None = None, unsure: int | None = UNSURE) -> ViewerPrefetch:
+def attach(viewer: Any, *, depth: int | None = None, unsure: int | None = None) -> ViewerPrefetch:
     """The viewer's ``ViewerPrefetch``, connected now if it was not yet (idempotent).
 
     ``unsure``: planes warmed on each side while the direction is unknown (at rest, after a
     jump; ``MotionPredictor``); ``None`` for ``depth``. It is set when the hook is made: a
-    viewer already attached keeps its own.
+    viewer already attached keeps its own. Off by default: on an H100 (8 GiB raw float32,
+    128 MiB chunks of 8 planes) 2 took the p95 of the 20 steps after a jump from 12.4 to
+    10.6 ms, but a motion starting from rest then warmed two chunks at once and its second
+    step hitched 119-249 ms.
     """
     hook = hook_of(viewer)
     if hook is None:
@@ -65,7 +63,7 @@ def detach(viewer: Any) -> None:
 class ViewerPrefetch:
     """Warm the chunks of a viewer's gpulazy layers ahead of its sliders."""
 
-    def __init__(self, viewer: Any, *, depth: int | None = None, unsure: int | None = UNSURE):
+    def __init__(self, viewer: Any, *, depth: int | None = None, unsure: int | None = None):
         self._viewer = weakref.ref(viewer)
         self._depth = depth
         self._unsure = unsure

@@ -211,15 +211,15 @@ class Reads:
                 for i, arr in zip(pieces, arrays):
                     self.outcomes[i] = arr
         placed = [i for i in ok if not isinstance(self.outcomes[i], BaseException)]
-        checked = self._check_landed([i for i in placed if i not in self.checked])
+        self._check_landed([i for i in placed if i not in self.checked])
         for i in ok:
             self.bufs[i] = None  # the stored bytes are not needed once decoded
-            if i in placed:
-                error = checked.pop(i)  # written to during the read: bytes may be mixed
-                if error is not None:
-                    self.outcomes[i] = error
+        for i in idx:  # a chunk checked early whose read or decode failed drops its entry too
+            error = self.checked.pop(i, None)  # written to during the read: bytes may be mixed
+            if error is not None and not isinstance(self.outcomes[i], BaseException):
+                self.outcomes[i] = error
 
-    def _check_landed(self, idx: list[int]) -> dict[int, Any]:
+    def _check_landed(self, idx: list[int]) -> None:
         # Lock held. The files of ``idx`` are stat'ed now, after their reads landed. The pending
         # chunks right after them whose reads have landed too, of the same files, are checked by
         # the same stats and finish later without one: a dask compute finishes its
@@ -239,7 +239,6 @@ class Reads:
             changed = unchanged_each([self.specs[i] for i in idx])  # after ``done()``: after those reads
             for j in itertools.chain(idx, later):
                 self.checked[j] = changed(self.specs[j])
-        return self.checked
 
 
 class PendingChunk:

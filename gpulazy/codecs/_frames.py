@@ -184,7 +184,7 @@ def _input_sizes(c: Codec, out: list[int]) -> list[int] | None:
 
 def crc32c(data: Any, crc: int = 0) -> int:
     """CRC32C (Castagnoli) of ``data`` (bytes or a contiguous NumPy array), continuing from ``crc``:
-    Zarr's ``crc32c`` codec, and the reference the GPU kernel is checked against."""
+    Zarr's ``crc32c`` codec where no GPU checks it, and the reference the tests check nvCOMP's against."""
     import google_crc32c
 
     if isinstance(data, np.ndarray):

@@ -10,6 +10,10 @@ which the ``nvidia-nvcomp-cu13`` Python package installs.
 
 Every decompress-options struct of nvCOMP 6 is 64 bytes whose zeroed form is the default;
 Zstd, LZ4 and Deflate share the signatures used here (``nvcomp/zstd.h`` and its siblings).
+
+``crc32c`` checks Zarr's crc32c codec with ``nvcompBatchedCRC32Async`` and its CRC32-C preset
+(``nvcomp/crc32.h``; not in nvCOMP's Python API): one call over every piece of a batch, each
+read where it lies (an address table), so no piece is copied first.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["ALGORITHMS", "NvcompError", "Alignments", "available", "alignments", "decompress", "STATUS"]
+__all__ = ["ALGORITHMS", "NvcompError", "Alignments", "available", "alignments", "crc32c", "crc32c_available",
+           "decompress", "STATUS"]
 
 #: The algorithms decoded through this module (nvCOMP's names, as in ``nvcompBatched<name>...``).
 ALGORITHMS = ("Zstd", "LZ4", "Deflate")
@@ -57,6 +62,31 @@ class _Align(ctypes.Structure):
 _OPTS = _Opts()  # zeroed: the default backend, no bitshuffle, bytes
 
 
+class _CRC32Spec(ctypes.Structure):
+    """``nvcompCRC32Spec_t`` (32 bytes)."""
+
+    _fields_ = [("poly", ctypes.c_uint32), ("init", ctypes.c_uint32), ("ref_in", ctypes.c_bool),
+                ("ref_out", ctypes.c_bool), ("xorout", ctypes.c_uint32), ("reserved", ctypes.c_char * 16)]
+
+
+class _CRC32KernelConf(ctypes.Structure):
+    """``nvcompCRC32KernelConf_t`` (32 bytes), filled by ``nvcompBatchedCRC32GetHeuristicConf``."""
+
+    _fields_ = [("kernel_kind", ctypes.c_int32), ("bytes_per_read", ctypes.c_int32),
+                ("blocks_per_msg", ctypes.c_int32), ("reserved", ctypes.c_char * 20)]
+
+
+class _CRC32Opts(ctypes.Structure):
+    """``nvcompBatchedCRC32Opts_t`` (128 bytes), passed by value."""
+
+    _fields_ = [("spec", _CRC32Spec), ("kernel_conf", _CRC32KernelConf), ("reserved", ctypes.c_char * 64)]
+
+
+#: nvCOMP's ``nvcompCRC32_C`` preset (CRC-32/ISCSI, Zarr's crc32c codec), as ``nvcomp/crc32.h`` defines it.
+_CRC32C = dict(poly=0x1EDC6F41, init=0xFFFFFFFF, ref_in=True, ref_out=True, xorout=0xFFFFFFFF)
+_ONLY_SEGMENT = 0  # nvcompCRC32OnlySegment: each piece is a whole message
+
+
 @functools.cache
 def _library() -> Any:
     """libnvcomp with the three entry points typed per algorithm, or None where it does not load."""
@@ -81,6 +111,52 @@ def _library() -> Any:
                 ptr, ptr, ptr, ptr, size, ptr, size, ptr, _Opts, ptr, ptr]
         return lib
     return None
+
+
+@functools.cache
+def _crc_library() -> Any:
+    """libnvcomp with its CRC32 entry points typed, or None (no libnvcomp, or one without them)."""
+    lib = _library()
+    if lib is None:
+        return None
+    size, ptr = ctypes.c_size_t, ctypes.c_void_p
+    try:
+        lib.nvcompBatchedCRC32GetHeuristicConf.argtypes = [ptr, size, ctypes.POINTER(_CRC32KernelConf), size, ptr]
+        lib.nvcompBatchedCRC32Async.argtypes = [ptr, ptr, size, ptr, _CRC32Opts, ctypes.c_int, ptr, ptr]
+    except AttributeError:  # an nvCOMP before 5.1
+        return None
+    return lib
+
+
+def crc32c_available() -> bool:
+    """Whether ``crc32c`` can run here (libnvcomp loads and has ``nvcompBatchedCRC32Async``)."""
+    return _crc_library() is not None
+
+
+def crc32c(ptrs: Sequence[int], sizes: Sequence[int], stream: Any) -> Any:
+    """CRC32C of piece ``k`` (``sizes[k]`` bytes at device address ``ptrs[k]``), every piece in one
+    nvCOMP call queued on CuPy ``stream``; returns a CuPy uint32 array ordered on ``stream``
+    (nothing waited for here)."""
+    import cupy
+
+    n = len(ptrs)
+    lib = _crc_library()
+    opts = _CRC32Opts()
+    opts.spec = _CRC32Spec(**_CRC32C)
+    # Given the largest size, the heuristic reads nothing on the device and does not synchronize.
+    largest = max(1, int(max(sizes, default=1)))
+    _check(lib.nvcompBatchedCRC32GetHeuristicConf(None, n, ctypes.byref(opts.kernel_conf), largest, stream.ptr),
+           "CRC32", "kernel configuration")
+    table = np.empty((2, n), dtype=np.uint64)
+    table[0], table[1] = ptrs, sizes
+    with stream:
+        dev_table = cupy.asarray(table)
+        out = cupy.empty(max(n, 1), dtype=np.uint32)
+        if n:
+            base = dev_table.data.ptr
+            _check(lib.nvcompBatchedCRC32Async(base, base + 8 * n, n, out.data.ptr, opts, _ONLY_SEGMENT, None,
+                                               stream.ptr), "CRC32", "checksum")
+    return out[:n]
 
 
 def available() -> bool:

@@ -7,7 +7,7 @@
   wrap-around in a block-wide scan, exactly what NumPy's ``cumsum`` cast to ``dtype``
   gives; floats (``dtype == astype``) sum one element after the other in one thread per
   piece, because a parallel scan would round differently from NumPy's sequential one.
-- ``crc32c`` (Zarr v3): the 4-byte checksum checked (one CRC kernel over the batch) and
+- ``crc32c`` (Zarr v3): the 4-byte checksum checked (one nvCOMP CRC32 call over the batch) and
   stripped (a view); a mismatch goes to the host, which names the file.
 
 The kernels take tables of device pointers, so one launch covers pieces that live in
@@ -73,25 +73,25 @@ def decode(pieces: Sequence[Any], c: Codec) -> list[Any]:
 
 
 def _checked_crc32c(pieces: Sequence[Any]) -> list[Any]:
-    """Each piece without its 4-byte CRC32C trailer, the trailer checked on the GPU (one kernel
-    over all payloads, one copy of the trailers down). A mismatch, a piece too short or a GPU
-    whose CRC kernel is not usable raises ``ValueError``: the host then decodes those pieces
-    and names the file."""
+    """Each piece without its 4-byte CRC32C trailer, the trailer checked on the GPU: one nvCOMP
+    call over every payload where it lies (``_nvcomp_c.crc32c``), compared with the trailers on
+    the device, one flag read back. A mismatch, a piece too short or no nvCOMP CRC32 here raises
+    ``ValueError``: the host then decodes those pieces and names the file."""
     import cupy
 
-    from gpulazy.codecs import _crc32c_gpu
+    from gpulazy.codecs import _nvcomp_c
 
     if any(int(p.size) < 4 for p in pieces):
         raise ValueError("a crc32c piece shorter than its checksum")
-    if not pieces or not _crc32c_gpu.usable(cupy.cuda.Device().id):
-        raise ValueError("the CRC32C kernel is not usable here")
+    if not pieces or not _nvcomp_c.crc32c_available():
+        raise ValueError("nvCOMP's CRC32 is not available here")
     payloads = [p[: p.size - 4] for p in pieces]
-    lengths = np.array([int(p.size) for p in payloads], np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    flat = cupy.concatenate(payloads) if lengths.sum() else cupy.zeros(1, cupy.uint8)
-    got = _crc32c_gpu.segment_crcs(flat, starts, lengths, np.zeros(len(pieces), np.uint32))
-    stored = cupy.concatenate([p[p.size - 4:] for p in pieces]).get().view("<u4")
-    if not np.array_equal(np.asarray(got, np.uint32), stored):
+    stream = cupy.cuda.get_current_stream()
+    got = _nvcomp_c.crc32c([p.data.ptr for p in payloads], [int(p.size) for p in payloads], stream)
+    with stream:
+        stored = cupy.concatenate([p[p.size - 4:] for p in pieces]).view(cupy.uint32)  # little-endian, as stored
+        bad = bool((got != stored).any())
+    if bad:
         raise ValueError("a crc32c checksum does not match")
     return payloads
 

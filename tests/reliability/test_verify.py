@@ -192,41 +192,44 @@ def test_verified_read_on_the_gpu(folder):
         gpulazy.from_files(str(folder), shape=SHAPE, dtype="<u2", device="cuda:0", verify=True).compute()
 
 
-# -- the GPU kernels' arithmetic (checked on the host), and the kernels themselves on a GPU ---------
-
-segments = st.lists(st.tuples(st.integers(0, 3 * 4096), st.integers(0, 3 * 4096 + 50), st.integers(0, 2 ** 32 - 1)),
-                    min_size=1, max_size=4)
-
-
-@pytest.mark.timeout(120)
-@settings(max_examples=25, deadline=None)
-@given(segs=segments, seed=st.integers(0, 100))
-def test_the_gpu_fold_equals_google_crc32c(segs, seed):
-    from gpulazy.codecs._crc32c_gpu import fold_on_host
-
-    data = np.random.default_rng(seed).integers(0, 256, 6 * 4096 + 100, dtype=np.uint8)
-    starts = np.array([min(a, len(data)) for a, _, _ in segs])
-    lengths = np.array([min(n, len(data) - a) for a, (_, n, _) in zip(starts, segs)])
-    inits = np.array([i for _, _, i in segs], np.uint32)
-    want = [crc32c(data[a: a + n], int(i)) for a, n, i in zip(starts, lengths, inits)]
-    assert [int(x) for x in fold_on_host(data, starts, lengths, inits)] == want
+# -- nvCOMP's CRC32-C preset against google-crc32c, on a GPU ---------------------------------
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
-def test_the_gpu_kernels_equal_google_crc32c():
+@settings(max_examples=15, deadline=None)
+@given(segs=st.lists(st.tuples(st.integers(0, 3 * 4096), st.integers(0, 3 * 4096 + 50)), min_size=1, max_size=6),
+       seed=st.integers(0, 100))
+def test_nvcomp_crc32c_equals_google_crc32c(segs, seed):
+    """Pieces of any length (0 included) at any address, one call: each CRC as google-crc32c's."""
     import cupy
 
-    from gpulazy.codecs._crc32c_gpu import segment_crcs, usable
+    from gpulazy.codecs import _nvcomp_c
 
-    assert usable(0)
+    assert _nvcomp_c.crc32c_available()
+    data = np.random.default_rng(seed).integers(0, 256, 6 * 4096 + 100, dtype=np.uint8)
+    starts = [min(a, len(data)) for a, _ in segs]
+    lengths = [min(n, len(data) - a) for a, (_, n) in zip(starts, segs)]
+    dev = cupy.asarray(data)
+    stream = cupy.cuda.get_current_stream()
+    got = _nvcomp_c.crc32c([dev.data.ptr + a for a in starts], lengths, stream).get()
+    assert [int(x) for x in got] == [crc32c(data[a: a + n]) for a, n in zip(starts, lengths)]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_nvcomp_crc32c_of_a_large_batch_equals_google_crc32c():
+    import cupy
+
+    from gpulazy.codecs import _nvcomp_c
+
     data = np.random.default_rng(3).integers(0, 256, (64 << 20) + 77, dtype=np.uint8)
     bs = 256 << 10
     starts = np.arange(0, len(data), bs)
     lengths = np.minimum(bs, len(data) - starts)
-    inits = np.arange(len(starts), dtype=np.uint32)
-    got = segment_crcs(cupy.asarray(data), starts, lengths, inits)
-    assert [int(x) for x in got] == [crc32c(data[a: a + n], int(i)) for a, n, i in zip(starts, lengths, inits)]
+    dev = cupy.asarray(data)
+    got = _nvcomp_c.crc32c([dev.data.ptr + int(a) for a in starts], lengths.tolist(), cupy.cuda.get_current_stream())
+    assert [int(x) for x in got.get()] == [crc32c(data[a: a + n]) for a, n in zip(starts, lengths)]
 
 
 @pytest.mark.gpu

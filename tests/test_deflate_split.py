@@ -188,6 +188,44 @@ def test_the_host_rate_is_measured_on_pieces_of_the_first_batch(monkeypatch):
     assert not rec.calibrated("cuda:8")
 
 
+def test_one_batch_at_a_time_shares_the_host(monkeypatch):
+    # Deflate batches decode several at once; each plan counts on every host core, so while one
+    # batch is planning or decoding a host share, the others go to nvCOMP without a plan.
+    from gpulazy.codecs import _beside
+    from gpulazy.device import get_device
+
+    monkeypatch.setattr(_beside, "calibrate_host", lambda *a: None)
+    planning, release = threading.Event(), threading.Event()
+    planned: list[int] = []
+
+    def share(decoded, stored, cores, device, kind="deflate"):
+        planned.append(len(decoded))
+        planning.set()
+        release.wait(30)
+        return list(range(len(decoded)))  # all to nvCOMP: no host thread, no CuPy needed
+
+    monkeypatch.setattr(_split, "gpu_share", share)
+    zl, dev = Codec.of("zlib", level=1), get_device("cpu")
+    pieces = [np.zeros(8, np.uint8)] * 3
+
+    def on_gpu(ps, c, sizes, device, where):
+        return [("gpu", p.size) for p in ps]
+
+    def batch():
+        return _beside.beside_host(pieces, zl, [8] * 3, dev, [None] * 3, on_gpu)
+
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(batch()))
+    t.start()
+    assert planning.wait(30)
+    assert batch() == [("gpu", 8)] * 3 and planned == [3]  # the host is held: no plan, all to nvCOMP
+    release.set()
+    t.join(30)
+    assert first == [[("gpu", 8)] * 3]
+    batch()
+    assert planned == [3, 3]  # free again once the first batch is done
+
+
 def test_the_record_is_safe_across_threads():
     rec = _split.RateRecord(weight=0.1)
 

@@ -368,7 +368,7 @@ def test_a_whole_read_in_many_submissions_settled_on_threads_gives_every_value(t
     vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(4, 32, 32))
     np.testing.assert_array_equal(vol.compute(), data)
     np.testing.assert_array_equal(vol.compute(), data)
-    assert len(_settle_threads()) <= whole.SETTLERS  # kept for the next read, not one more per read
+    assert len(_settle_threads()) <= max(whole.SETTLERS, whole.STREAM_SETTLERS)  # kept for the next read, not one more per read
 
 
 @pytest.mark.parametrize("how", ["compute", "max"])  # the whole-array path; a streamed reduction's groups
@@ -384,4 +384,21 @@ def test_a_corrupt_chunk_in_a_later_submission_raises_with_its_path_and_leaks_no
     with pytest.raises(ChunkDecodeError) as e:
         (vol.compute() if how == "compute" else vol.max(axis=0).compute())
     assert "c/9/1/0" in str(e.value)
-    assert len(_settle_threads()) <= whole.SETTLERS
+    assert len(_settle_threads()) <= max(whole.SETTLERS, whole.STREAM_SETTLERS)
+
+
+def test_deflate_submissions_decode_as_many_at_once_as_fit_others_two():
+    # One nvCOMP Deflate call takes about one stream's time whatever its size: four submissions
+    # side by side run in the time of one. zstd keeps two (its scratch is three times its output).
+    from gpulazy.read.whole import SETTLERS, STREAM_SETTLERS, settlers
+    from gpulazy.spec import ByteRange, ChunkSpec, Codec
+
+    def spec(codec):
+        return ChunkSpec((ByteRange("f", 0, 10),), (5,), "<u2", codec=(codec,))
+
+    gz, zs, plain = spec(Codec.of("zlib", level=1)), spec(Codec("zstd")), ChunkSpec((ByteRange("f", 0, 10),), (5,), "<u2")
+    assert settlers([plain, gz], 4 << 30, 1 << 30) == STREAM_SETTLERS == 4
+    assert settlers([gz], 2 << 30, 1 << 30) == 2  # as many as the bytes held allow
+    assert settlers([gz], 1 << 20, 1 << 30) == 1
+    assert settlers([zs], 4 << 30, 1 << 30) == SETTLERS == 2
+    assert settlers([zs], 1 << 30, 1 << 30) == 1

@@ -40,7 +40,8 @@ from gpulazy.device import Device, own_stream
 from gpulazy.spec import ChunkSpec, Tile
 from gpulazy.stats import record_fills
 
-__all__ = ["assemble", "assemble_batch", "byteswap", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on"]
+__all__ = ["assemble", "assemble_batch", "byteswap", "decode_pieces", "check_supported", "gpu_codecs", "decoded_on",
+           "stream_bound"]
 
 
 def assemble(buf: Any, spec: ChunkSpec, device: Device) -> Any:
@@ -117,6 +118,18 @@ def _place_all(placed: list[tuple[Any, Any, tuple[int, ...]]], device: Device) -
     else:
         for chunk, tile, origin in placed:
             place.assign(chunk, tile, origin)
+
+
+def stream_bound(spec: ChunkSpec) -> bool:
+    """Whether a GPU decodes ``spec``'s pieces at one stream's pace each, however many go together
+    (Deflate: nvCOMP decodes each stream in one thread block, about 12 MB/s), so a call takes about
+    as long for 1,000 pieces as for 10, and many calls side by side are as fast as one large call.
+    On an H100, 2 MiB gzip-1 pieces: one call of 256 decoded at 3.0 GB/s, of 2,048 at 12.9; four
+    calls of 512 at once 12.6. Readers decode such chunks in as many calls at once as memory allows
+    (``gpulazy.read.whole.settlers``)."""
+    from gpulazy.codecs._split import family
+
+    return spec.codec is not None and any(family(c) == "deflate" for c in spec.codec)
 
 
 def decoded_on(codec: Sequence[Any] | None, device: Device) -> str:

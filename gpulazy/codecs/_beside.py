@@ -51,14 +51,37 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
     """Step ``c`` (Deflate) over ``pieces`` (device arrays): ``on_gpu`` decodes the GPU's share
     (nvCOMP, its own fallbacks) in the calling thread, the host's cores the rest, driven by a
     thread of its own (``_run_on``)."""
-    import cupy
-
     if not pieces:
         return []
     stored = [int(p.size) for p in pieces]
     kind = _split.family(c) or "deflate"
     calibrate_host(pieces, c, sizes, where, device.name, kind)
-    gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind)
+    holds_host = _HOST.acquire(blocking=False)
+    try:
+        if holds_host or _split.mode() != "auto":
+            gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind)
+        else:  # another batch's host share has the cores
+            gpu = list(range(len(pieces)))
+        if holds_host and len(gpu) == len(pieces):  # nothing for the host: free it for the next batch now
+            _HOST.release()
+            holds_host = False
+        return _decode(pieces, c, sizes, device, where, on_gpu, gpu, stored, kind)
+    finally:
+        if holds_host:
+            _HOST.release()
+
+
+#: One batch at a time shares its pieces with the host's cores. ``plan`` counts on all of them,
+#: and Deflate batches decode several at once (``gpulazy.read.whole.STREAM_SETTLERS``): four
+#: batches each handing the host the share it could decode alone would keep every batch waiting
+#: four times as long. While one batch holds the host, the others go to nvCOMP alone.
+_HOST = threading.Lock()
+
+
+def _decode(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any],
+            on_gpu: Callable[[list[Any], Codec, list[int], Device, list[Any]], list[Any]], gpu: list[int],
+            stored: list[int], kind: str) -> list[Any]:
+    """``beside_host`` once the pieces nvCOMP decodes (``gpu``) are picked."""
     picked = set(gpu)
     host = [i for i in range(len(pieces)) if i not in picked]
     started = time.perf_counter()
@@ -71,6 +94,8 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
         return out_host
     driven = None
     if share is not None:
+        import cupy
+
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(cupy.cuda.get_current_stream())  # the pieces and the carved output are ordered before it
         driven = _drivers().submit(_run_on, device, ready, share)

@@ -44,7 +44,7 @@ import numpy as np
 from gpulazy.spec import Codec
 
 __all__ = ["DEFLATE_IDS", "PRIORS", "RECORD", "ROUND", "ZSTD_IDS", "RateRecord", "Rates", "applies", "family",
-           "force", "gpu_seconds", "gpu_share", "host_seconds", "makespan", "overlap", "per_stream", "plan"]
+           "force", "gpu_seconds", "gpu_share", "host_seconds", "makespan", "mode", "overlap", "per_stream", "plan"]
 
 #: Decoded bytes per round of a host share (``_beside.HostShare``): each round is copied down and
 #: up while the next decodes, so only the first copy down and the last copy up are not hidden.
@@ -299,15 +299,20 @@ def force(mode: str) -> Iterator[None]:
         _forced.pop()
 
 
+def mode() -> str:
+    """What ``force`` says now (``"auto"`` outside it)."""
+    return _forced[-1] if _forced else "auto"
+
+
 def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device: str, kind: str = "deflate"
               ) -> list[int]:
     """The pieces of this batch nvCOMP decodes on ``device``: ``plan`` on its recorded rates for
     ``kind`` (``family``), or what ``force`` says."""
-    mode = _forced[-1] if _forced else "auto"
-    if mode == "host":
+    forced = mode()
+    if forced == "host":
         return []
-    if mode == "gpu":
+    if forced == "gpu":
         return list(range(len(decoded)))
-    if mode == "alternate":
+    if forced == "alternate":
         return list(range(1, len(decoded), 2))
     return plan(decoded, stored, cores, RECORD.rates(device, kind))

@@ -123,6 +123,7 @@ class ReduceStream:
     def _submit(self, j: int) -> None:
         from gpulazy.integrity import check_all_unchanged
         from gpulazy.memory import retry_on_oom
+        from gpulazy.codecs import stream_bound
         from gpulazy.read.engine import start
 
         group = list(self.groups[j])
@@ -138,7 +139,11 @@ class ReduceStream:
         nbytes = _bytes(misses)
         # Chunks that decode settle on the settle threads, so group j decodes while this thread
         # folds the groups before it; chunks read as stored have nothing to decode.
-        settled = whole.settle_later(reads) if reads is not None and any(s.is_assembled for s in misses) else None
+        settled = None
+        if reads is not None and any(s.is_assembled for s in misses):
+            # (held bytes already bound what is in flight here: ``step``)
+            slots = whole.settle_slots(whole.STREAM_SETTLERS if any(map(stream_bound, misses)) else whole.SETTLERS)
+            settled = whole.settle_later(reads, slots)
         self.pending[j] = (reads, misses, nbytes, settled)
         self.held += nbytes
         self.next = j + 1

@@ -7,7 +7,8 @@ thread (for chunks that decode, each may double the last, up to ``DECODE_GROUP``
 call per submission wants many pieces). Stored bytes waiting to decode are held to ``STAGED``
 bytes, or an eighth of a GPU's free memory (at most 4 GiB) when that is more (a submission is
 finished before the next one would pass that), and up to ``SETTLERS`` submissions decode at
-once on threads of their own, so reading the next groups overlaps decoding these."""
+once on threads of their own (``STREAM_SETTLERS`` for Deflate, ``settlers``), so reading the
+next groups overlaps decoding these."""
 
 from __future__ import annotations
 
@@ -25,12 +26,18 @@ from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "held_bytes",
-           "inflight_room", "settle_later", "settle_pool", "GROUP", "STAGED", "SETTLERS"]
+           "inflight_room", "settle_later", "settle_pool", "settlers", "GROUP", "STAGED", "SETTLERS",
+           "STREAM_SETTLERS"]
 
 GROUP = 256 << 20
 STAGED = 512 << 20
 DECODE_GROUP = 1 << 30
 SETTLERS = 2
+#: Submissions of Deflate chunks (``codecs.stream_bound``) that decode at once: each nvCOMP call
+#: takes about one stream's time whatever its size, so four calls of 256 pieces of 4 MiB run in
+#: the time of one (an H100 decoded 2 MiB gzip-1 pieces at 5.7 GB/s in one call of 512, 12.6 in
+#: four at once); the threads wait on the GPU, holding no GIL.
+STREAM_SETTLERS = 4
 
 
 def inflight_room(dev: Any) -> int:
@@ -194,10 +201,8 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
     inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
-    # Threads only where chunks decode; as many as submissions that fit twice in ``limit`` (nvCOMP's
-    # scratch for a zstd submission is about three times its decoded bytes), at most ``SETTLERS``.
     settler = _Settler(threaded=len(groups) > 1 and grow_to is not None,
-                       workers=max(1, min(SETTLERS, limit // (2 * (grow_to or GROUP)))))
+                       workers=settlers([s for s, _ in todo], limit, grow_to or GROUP))
 
     def hand_out() -> None:
         nonlocal held
@@ -243,7 +248,7 @@ class _Settler:
     decode at once; chunks read as stored have nothing to decode and settle inline. Chunks are
     still handed out (``landed``) on the caller's thread, in order.
 
-    Why two: a settle thread waits on each submission's nvCOMP call, so the next submission's
+    Why two (``SETTLERS``; Deflate takes ``STREAM_SETTLERS``, see ``settlers``): a settle thread waits on each submission's nvCOMP call, so the next submission's
     framing, walks and placement go on meanwhile. On an H100 a 4 GiB zstd Zarr (8 MiB chunks)
     read at 23.7 and 19.3 GB/s with one settle thread and 24.4 and 20.7 with two (two calls,
     1 GiB submissions); four threads with 512 MiB submissions gave 18–19, and LZ4 fell from
@@ -293,8 +298,28 @@ def settle_later(reads: Any, slots: threading.Semaphore | None = None) -> Callab
 
 @functools.cache
 def settle_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that settle whole-array submissions (``SETTLERS``), kept for the process."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=SETTLERS, thread_name_prefix="gpulazy-settle")
+    """The threads that settle submissions (as many as ``settlers`` allows any reader), kept for the process."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(SETTLERS, STREAM_SETTLERS),
+                                                 thread_name_prefix="gpulazy-settle")
+
+
+def settlers(specs: list[ChunkSpec], limit: int, group: int) -> int:
+    """How many submissions of about ``group`` bytes of ``specs`` may decode at once within ``limit``
+    bytes held. Deflate (``codecs.stream_bound``): as many as fit, up to ``STREAM_SETTLERS``. Others:
+    as many as fit twice (nvCOMP's scratch for a zstd submission is about three times its decoded
+    bytes), up to ``SETTLERS``."""
+    from gpulazy.codecs import stream_bound
+
+    if any(stream_bound(s) for s in specs):
+        return max(1, min(STREAM_SETTLERS, limit // max(1, group)))
+    return max(1, min(SETTLERS, limit // (2 * max(1, group))))
+
+
+@functools.cache
+def settle_slots(n: int) -> threading.BoundedSemaphore:
+    """A process-wide bound of ``n`` submissions settling at once (for readers that settle one
+    submission per call, ``gpulazy.read.reduce``)."""
+    return threading.BoundedSemaphore(n)
 
 
 def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:

@@ -387,18 +387,23 @@ def test_a_corrupt_chunk_in_a_later_submission_raises_with_its_path_and_leaks_no
     assert len(_settle_threads()) <= max(whole.SETTLERS, whole.STREAM_SETTLERS)
 
 
-def test_deflate_submissions_decode_as_many_at_once_as_fit_others_two():
-    # One nvCOMP Deflate call takes about one stream's time whatever its size: four submissions
-    # side by side run in the time of one. zstd keeps two (its scratch is three times its output).
-    from gpulazy.read.whole import SETTLERS, STREAM_SETTLERS, settlers
+def test_deflate_submissions_decode_side_by_side_until_nvcomp_has_enough_pieces():
+    # One nvCOMP Deflate call takes about one stream's time whatever its size: submissions of few
+    # large pieces decode several at once (up to STREAM_SETTLERS, as the bytes held allow); small
+    # pieces fill nvCOMP in one submission, and zstd keeps SETTLERS (its scratch is three times its output).
+    from gpulazy.read.whole import SETTLERS, STREAM_PIECES, STREAM_SETTLERS, settlers, stream_calls
     from gpulazy.spec import ByteRange, ChunkSpec, Codec
 
-    def spec(codec):
-        return ChunkSpec((ByteRange("f", 0, 10),), (5,), "<u2", codec=(codec,))
+    def spec(codec, stored):
+        return ChunkSpec((ByteRange("f", 0, stored),), (stored,), "u1", codec=None if codec is None else (codec,))
 
-    gz, zs, plain = spec(Codec.of("zlib", level=1)), spec(Codec("zstd")), ChunkSpec((ByteRange("f", 0, 10),), (5,), "<u2")
-    assert settlers([plain, gz], 4 << 30, 1 << 30) == STREAM_SETTLERS == 4
-    assert settlers([gz], 2 << 30, 1 << 30) == 2  # as many as the bytes held allow
-    assert settlers([gz], 1 << 20, 1 << 30) == 1
-    assert settlers([zs], 4 << 30, 1 << 30) == SETTLERS == 2
-    assert settlers([zs], 1 << 30, 1 << 30) == 1
+    zlib, zstd, GiB = Codec.of("zlib", level=1), Codec("zstd"), 1 << 30
+    big, small = [spec(zlib, 4 << 20)] * 8, [spec(zlib, 256 << 10)] * 8  # HDF5's 4 MiB chunks, TIFF-like tiles
+    assert stream_calls(big, GiB) == min(STREAM_SETTLERS, STREAM_PIECES * 4 // 1024) == 4
+    assert settlers(big + [spec(None, 10)], 4 * GiB, GiB) == 4
+    assert settlers(big, 2 * GiB, GiB) == 2  # as many as the bytes held allow
+    assert settlers(big, 1 << 20, GiB) == 1
+    assert stream_calls(small, GiB) == 1 and settlers(small, 4 * GiB, GiB) == SETTLERS
+    assert stream_calls([spec(zstd, 4 << 20)], GiB) == 0
+    assert settlers([spec(zstd, 4 << 20)], 4 * GiB, GiB) == SETTLERS == 2
+    assert settlers([spec(zstd, 4 << 20)], GiB, GiB) == 1

@@ -56,31 +56,44 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
     stored = [int(p.size) for p in pieces]
     kind = _split.family(c) or "deflate"
     calibrate_host(pieces, c, sizes, where, device.name, kind)
-    holds_host = _HOST.acquire(blocking=False)
+    rates = _split.RECORD.rates(device.name, kind)
+    backlog = _BACKLOG.seconds(device.name)
+    gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind, backlog=backlog)
+    picked = set(gpu)
+    host = [i for i in range(len(pieces)) if i not in picked]
+    queued = _split.host_seconds([sizes[i] for i in host], [stored[i] for i in host], cores(), rates) if host else 0.0
+    _BACKLOG.add(device.name, queued)
     try:
-        if holds_host or _split.mode() != "auto":
-            gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind)
-        else:  # another batch's host share has the cores
-            gpu = list(range(len(pieces)))
-        if holds_host and len(gpu) == len(pieces):  # nothing for the host: free it for the next batch now
-            _HOST.release()
-            holds_host = False
-        return _decode(pieces, c, sizes, device, where, on_gpu, gpu, stored, kind)
+        return _decode(pieces, c, sizes, device, where, on_gpu, gpu, stored, kind, backlog)
     finally:
-        if holds_host:
-            _HOST.release()
+        _BACKLOG.add(device.name, -queued)
 
 
-#: One batch at a time shares its pieces with the host's cores. ``plan`` counts on all of them,
-#: and Deflate batches decode several at once (``gpulazy.read.whole.STREAM_SETTLERS``): four
-#: batches each handing the host the share it could decode alone would keep every batch waiting
-#: four times as long. While one batch holds the host, the others go to nvCOMP alone.
-_HOST = threading.Lock()
+class _Backlog:
+    """Seconds of host decoding queued by the batches in flight, per device, as their plans
+    predicted. Batches decode side by side (``gpulazy.read.whole.settlers``) and each plan
+    counts on every host core: without this, four batches would each hand the host the share
+    it could decode alone, and each would wait for all four."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+
+    def seconds(self, device: str) -> float:
+        with self._lock:
+            return self._seconds.get(device, 0.0)
+
+    def add(self, device: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[device] = max(0.0, self._seconds.get(device, 0.0) + seconds)
+
+
+_BACKLOG = _Backlog()
 
 
 def _decode(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any],
             on_gpu: Callable[[list[Any], Codec, list[int], Device, list[Any]], list[Any]], gpu: list[int],
-            stored: list[int], kind: str) -> list[Any]:
+            stored: list[int], kind: str, backlog: float) -> list[Any]:
     """``beside_host`` once the pieces nvCOMP decodes (``gpu``) are picked."""
     picked = set(gpu)
     host = [i for i in range(len(pieces)) if i not in picked]
@@ -116,7 +129,7 @@ def _decode(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where
             out[i] = arr
         _record(sum(sizes[i] for i in host), started, (c,), "host", device)
     _learn(device.name, kind, [sizes[i] for i in host], [stored[i] for i in host], [sizes[i] for i in gpu],
-           share, gpu_seconds, both_done - started)
+           share, gpu_seconds, both_done - started, backlog)
     return out
 
 
@@ -163,8 +176,9 @@ def _to_host(piece: Any) -> np.ndarray:
 
 
 def _learn(device: str, kind: str, host_sizes: list[int], host_stored: list[int], gpu_sizes: list[int],
-           share: HostShare | None, gpu_seconds: float, wall: float) -> None:
-    """Fold what this batch measured into the device's rates for ``kind`` (``_split.RECORD``)."""
+           share: HostShare | None, gpu_seconds: float, wall: float, backlog: float = 0.0) -> None:
+    """Fold what this batch measured into the device's rates for ``kind`` (``_split.RECORD``);
+    ``backlog``: seconds of other batches' host work its host share was planned behind."""
     record = _split.RECORD
     rates = record.rates(device, kind)
     transfers = 2 * len(share.rounds) if share is not None else 0
@@ -179,7 +193,7 @@ def _learn(device: str, kind: str, host_sizes: list[int], host_stored: list[int]
         return
     together = None
     if host_sizes:
-        predicted = _split.host_seconds(host_sizes, host_stored, cores(), rates)
+        predicted = _split.host_seconds(host_sizes, host_stored, cores(), rates) + backlog
         together = _split.overlap(predicted, gpu_seconds, wall)
     record.fold(device, kind, gpu_per_stream=_split.per_stream(gpu_sizes, gpu_seconds, rates), overlap=together)
 

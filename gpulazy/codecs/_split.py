@@ -149,8 +149,11 @@ def _gpu_time(total: Any, largest: Any, rates: Rates) -> np.ndarray:
     return np.where(total > 0, rates.gpu_call + decode, 0.0)
 
 
-def plan(decoded: Sequence[int], stored: Sequence[int], cores: int, rates: Rates) -> list[int]:
+def plan(decoded: Sequence[int], stored: Sequence[int], cores: int, rates: Rates, backlog: float = 0.0) -> list[int]:
     """Indices of the pieces nvCOMP decodes (ascending); the others decode on the host.
+
+    ``backlog``: seconds of host decoding other batches have queued ahead of this one's (batches
+    decode side by side: ``gpulazy.read.whole.settlers``); a host share ends that much later.
 
     Tries every split that gives nvCOMP the ``k`` smallest or the ``k`` largest pieces (its
     time follows its largest piece, the host's its bytes) and keeps the one with the
@@ -170,18 +173,24 @@ def plan(decoded: Sequence[int], stored: Sequence[int], cores: int, rates: Rates
     k = np.arange(n + 1)
     # nvCOMP takes the k smallest: its largest is d[k-1]; the host keeps d[k:], largest d[-1].
     small = _makespans(
-        _host_time(cd[-1] - cd, np.where(k < n, d[-1], 0.0), cs[-1] - cs, cores, rates),
+        _queued(_host_time(cd[-1] - cd, np.where(k < n, d[-1], 0.0), cs[-1] - cs, cores, rates), backlog),
         _gpu_time(cd, np.where(k > 0, d[np.maximum(k - 1, 0)], 0.0), rates), rates.overlap)
     # nvCOMP takes the k largest: the host keeps d[:n-k], largest d[n-k-1].
     rest = n - k
     large = _makespans(
-        _host_time(cd[rest], np.where(rest > 0, d[np.maximum(rest - 1, 0)], 0.0), cs[rest], cores, rates),
+        _queued(_host_time(cd[rest], np.where(rest > 0, d[np.maximum(rest - 1, 0)], 0.0), cs[rest], cores, rates),
+                backlog),
         _gpu_time(cd[-1] - cd[rest], np.where(k > 0, d[-1], 0.0), rates), rates.overlap)
     ks, kl = int(np.argmin(small)), int(np.argmin(large))  # argmin: the first (fewest on the GPU) of equals
     if min(small[ks], large[kl]) > rates.margin * small[n]:  # small[n]: every piece to nvCOMP
         return list(range(n))
     chosen = order[:ks] if (small[ks], ks) <= (large[kl], kl) else order[n - kl:]
     return sorted(int(i) for i in chosen)
+
+
+def _queued(host: np.ndarray, backlog: float) -> np.ndarray:
+    # A host share waits for the host work queued before it; no share waits for nothing.
+    return np.where(host > 0, host + max(0.0, backlog), 0.0)
 
 
 def _makespans(host: np.ndarray, gpu: np.ndarray, overlap: float) -> np.ndarray:
@@ -304,10 +313,10 @@ def mode() -> str:
     return _forced[-1] if _forced else "auto"
 
 
-def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device: str, kind: str = "deflate"
-              ) -> list[int]:
+def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device: str, kind: str = "deflate",
+              backlog: float = 0.0) -> list[int]:
     """The pieces of this batch nvCOMP decodes on ``device``: ``plan`` on its recorded rates for
-    ``kind`` (``family``), or what ``force`` says."""
+    ``kind`` (``family``) behind ``backlog`` seconds of host work, or what ``force`` says."""
     forced = mode()
     if forced == "host":
         return []
@@ -315,4 +324,4 @@ def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device:
         return list(range(len(decoded)))
     if forced == "alternate":
         return list(range(1, len(decoded), 2))
-    return plan(decoded, stored, cores, RECORD.rates(device, kind))
+    return plan(decoded, stored, cores, RECORD.rates(device, kind), backlog)

@@ -123,7 +123,6 @@ class ReduceStream:
     def _submit(self, j: int) -> None:
         from gpulazy.integrity import check_all_unchanged
         from gpulazy.memory import retry_on_oom
-        from gpulazy.codecs import stream_bound
         from gpulazy.read.engine import start
 
         group = list(self.groups[j])
@@ -142,7 +141,8 @@ class ReduceStream:
         settled = None
         if reads is not None and any(s.is_assembled for s in misses):
             # (held bytes already bound what is in flight here: ``step``)
-            slots = whole.settle_slots(whole.STREAM_SETTLERS if any(map(stream_bound, misses)) else whole.SETTLERS)
+            calls = whole.stream_calls(misses, sum(s.nbytes for s in misses))
+            slots = whole.settle_slots(max(whole.SETTLERS, calls))
             settled = whole.settle_later(reads, slots)
         self.pending[j] = (reads, misses, nbytes, settled)
         self.held += nbytes

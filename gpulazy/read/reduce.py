@@ -6,7 +6,7 @@ device memory (35.9 GB/s), so no read could make that MIP reach the whole-array 
 (43 GB/s). Here a reduction is a chain of at most ``STEPS`` dask tasks (``ReduceStream``):
 each reads the next groups of chunks through the engine, in block order, and folds a group into
 the result as its reads land, then drops it. Device memory holds the accumulator and the reads
-in flight (config ``read_ahead``, or an eighth of free device memory, a quarter for Deflate), never the array. Chunks
+in flight (config ``read_ahead``, or an eighth of free device memory), never the array. Chunks
 in the array's cache are folded where they lie (``DeviceCache.visit``: no copy), and chunks read
 are offered to it, so a second reduction over the same data reads nothing.
 
@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from gpulazy.codecs import stream_bound
 from gpulazy.device import Device, get_device, own_stream
 from gpulazy.read import whole
 from gpulazy.read.whole import groups_by_bytes, held_bytes, inflight_room
@@ -74,13 +73,7 @@ class ReduceStream:
         with self.dev.activate():
             self.acc = _Accumulator(op, chunks, axis, dtype, cast, ddof, self.dev)
         largest = max((s.out_nbytes + s.nbytes for g in groups for s in g), default=0)
-        room = inflight_room(self.dev)
-        if any(stream_bound(s) for g in groups[:1] for s in g):
-            # Deflate decodes at one stream's pace per piece: a group's nvCOMP call takes as long
-            # for 150 pieces as for 1,000, so only more groups in flight at once raise the rate.
-            # On an H100 a MIP of a 4 GiB HDF5 gzip-1 file (4 MiB chunks) held to 4 GiB ran at 4.4 GB/s.
-            room = 2 * room
-        self.limit = max(int(config.get("read_ahead")), room, 2 * largest)
+        self.limit = max(int(config.get("read_ahead")), inflight_room(self.dev), 2 * largest)
         # group -> (reads, misses, bytes, what waits until its chunks are decoded)
         self.pending: dict[int, tuple[Any, list[ChunkSpec], int, Any]] = {}
         self.next = 0

@@ -3,8 +3,8 @@
 The two decoders scale differently. libdeflate (the ``deflate`` package, GIL released) decodes
 about 0.45 GB/s of output per core, so the host's time for a share is its bytes over all cores.
 nvCOMP decodes the Deflate streams of a batch side by side, each one slowly: 256 streams of
-2 MiB decoded at 1.6 GB/s in all on an H100 (``benchmarks/bench_codecs.py``), about 6 MB/s per
-stream, and fewer streams decode slower in all. So its time for a share is set by the share's
+2 MiB decoded at 1.6 to 3.0 GB/s in all on H100s (``benchmarks/bench_codecs.py``), 6 to 12 MB/s
+per stream, and fewer streams decode slower in all. So its time for a share is set by the share's
 largest piece, not its bytes, until every stream it can run at once is busy (``gpu_streams``).
 A few pieces on the GPU cost as long as many; the GPU helps only once the host's share would
 take longer than one piece takes nvCOMP. ``plan`` weighs both (with the copies the host's share
@@ -71,12 +71,16 @@ class Rates:
 
     The priors: ``host_per_core`` libdeflate on one core of the 16-core H100 host (issue 21;
     0.31 on this project's 2-core CI machine, ``bench_codecs.py --host-deflate``);
-    ``gpu_per_stream`` nvCOMP Deflate on an H100, 1.6 GB/s over 256 streams of 2 MiB
-    (``bench_codecs.py --chunks 256``); ``gpu_streams`` how many streams nvCOMP runs at once before
+    ``gpu_per_stream`` nvCOMP Deflate on an H100: 9 MB/s. The fourth session measured 1.6 GB/s
+    over 256 streams of 2 MiB (``bench_codecs.py --chunks 256``, 6.3 MB/s a stream); the ninth
+    3.0 GB/s over the same (11.7 MB/s), and the rate learnt over a 4 GiB HDF5 gzip-1 read, four
+    batches at once, was 9.3 MB/s. Starting too low, a process's first batches went to the host
+    alone while the GPU idled (its first 4 GiB read: 2.1 GB/s, later ones 6.0).
+    ``gpu_streams`` how many streams nvCOMP runs at once before
     its rate stops growing: 1024. On an H100, one nvCOMP call over 1 GiB of zlib-1 pieces gave
     1.54 GB/s for 256 pieces of 4 MiB, 5.11 for 1024 of 1 MiB, 6.62 for 2048 of 512 KiB and
-    6.87-7.38 for 4096-8192 of 256 KiB down to 64 KiB: about 6.3 MB/s per stream up to ~1100
-    streams, flat after; ``gpu_call`` what one nvCOMP call costs
+    6.87-7.38 for 4096-8192 of 256 KiB down to 64 KiB, flat after ~1100 streams (the ninth
+    session's call: 2 MiB pieces at 10.0 GB/s for 1024 and 12.9 for 2048); ``gpu_call`` what one nvCOMP call costs
     besides decoding (framing checks, the copy of headers, the size read-back); ``link`` the
     host share's copies down and up through pinned memory (54.9 GB/s host to device on that
     host, ``DESIGN.md``), all but one round's each way hidden behind decoding (``ROUND``);
@@ -90,7 +94,7 @@ class Rates:
     """
 
     host_per_core: float = 0.45e9
-    gpu_per_stream: float = 1.6e9 / 256
+    gpu_per_stream: float = 9e6
     gpu_streams: int = 1024
     gpu_call: float = 2e-3
     link: float = 50e9

@@ -40,6 +40,22 @@ class TestKvikioCUDA(BackendConformance):
         assert ok, reason
         assert "probe read" in reason and any(f"{m} mode" in reason for m in MODES)
 
+    def test_reads_leave_the_cufile_driver_alone_and_info_asks_it(self, monkeypatch):
+        # Asking the cuFile driver whether GDS is available opens it: 0.23 s of a process's first
+        # read on an H100 host. Only ``gpulazy info`` asks.
+        import kvikio.cufile_driver
+
+        from gpulazy.cli import collect_info
+
+        asked: list[str] = []
+        real = kvikio.cufile_driver.get
+        monkeypatch.setattr(kvikio.cufile_driver, "get", lambda name: asked.append(name) or real(name))
+        _kvikio._probe.cache_clear()
+        ok, reason = _kvikio.KvikioBackend.availability(Device("cuda", 0))
+        assert ok and "cuFile GDS available" not in reason and asked == []
+        info = collect_info("cuda:0")
+        assert "is_gds_available" in asked and "cuFile GDS available" in info["gds"]["reason"]
+
     def test_auto_picks_kvikio_on_a_gpu(self):
         name, because = select_backend(Device("cuda", 0))
         assert name == "kvikio" and "KvikIO" in because

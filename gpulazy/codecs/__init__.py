@@ -122,11 +122,11 @@ def _place_all(placed: list[tuple[Any, Any, tuple[int, ...]]], device: Device) -
 
 def stream_bound(spec: ChunkSpec) -> bool:
     """Whether a GPU decodes ``spec``'s pieces at one stream's pace each, however many go together
-    (Deflate: nvCOMP decodes each stream in one thread block, about 12 MB/s), so a call takes about
+    (Deflate: nvCOMP decodes each stream in one thread block, 6 to 12 MB/s), so a call takes about
     as long for 1,000 pieces as for 10, and many calls side by side are as fast as one large call.
     On an H100, 2 MiB gzip-1 pieces: one call of 256 decoded at 3.0 GB/s, of 2,048 at 12.9; four
-    calls of 512 at once 12.6. Readers decode such chunks in as many calls at once as memory allows
-    (``gpulazy.read.whole.settlers``)."""
+    calls of 512 at once 12.6. Readers decode submissions of such chunks several at once when each
+    holds too few pieces to keep nvCOMP busy (``gpulazy.read.whole.stream_calls``)."""
     from gpulazy.codecs._split import family
 
     return spec.codec is not None and any(family(c) == "deflate" for c in spec.codec)

@@ -75,10 +75,9 @@ def _gds_status(device: Device) -> dict[str, Any]:
         ok, why = backend_class("kvikio").availability(device)
     except Exception as e:
         ok, why = False, f"{type(e).__name__}: {e}"
-    if ok:
-        why = f"{why}; {backend_class('kvikio').gds_details()}"
     if not ok:
         return {"active": False, "mode": None, "reason": f"KvikIO not usable: {why}"}
+    why = f"{why}; {backend_class('kvikio').gds_details()}"  # opens the cuFile driver: here only
     try:
         mode = get_backend("kvikio", device).mode
     except Exception as e:

@@ -57,12 +57,14 @@ def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, w
     kind = _split.family(c) or "deflate"
     calibrate_host(pieces, c, sizes, where, device.name, kind)
     rates = _split.RECORD.rates(device.name, kind)
-    backlog = _BACKLOG.seconds(device.name)
-    gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind, backlog=backlog)
-    picked = set(gpu)
-    host = [i for i in range(len(pieces)) if i not in picked]
-    queued = _split.host_seconds([sizes[i] for i in host], [stored[i] for i in host], cores(), rates) if host else 0.0
-    _BACKLOG.add(device.name, queued)
+
+    def share(backlog: float) -> tuple[list[int], float]:
+        gpu = _split.gpu_share(sizes, stored, cores(), device.name, kind, backlog=backlog)
+        picked = set(gpu)
+        host = [i for i in range(len(pieces)) if i not in picked]
+        return gpu, _split.host_seconds([sizes[i] for i in host], [stored[i] for i in host], cores(), rates)
+
+    gpu, queued, backlog = _BACKLOG.plan(device.name, share)
     try:
         return _decode(pieces, c, sizes, device, where, on_gpu, gpu, stored, kind, backlog)
     finally:
@@ -82,6 +84,17 @@ class _Backlog:
     def seconds(self, device: str) -> float:
         with self._lock:
             return self._seconds.get(device, 0.0)
+
+    def plan(self, device: str, share: Callable[[float], tuple[list[int], float]]) -> tuple[list[int], float, float]:
+        """``share(backlog)`` -> (the GPU's pieces, the host share's seconds), run under the lock so
+        that batches planning at the same moment each see the others' shares; the share's seconds
+        are queued (``add`` them back, negated, once the share is done). Returns
+        ``(pieces, seconds queued, backlog planned behind)``."""
+        with self._lock:
+            backlog = self._seconds.get(device, 0.0)
+            gpu, queued = share(backlog)
+            self._seconds[device] = backlog + queued
+            return gpu, queued, backlog
 
     def add(self, device: str, seconds: float) -> None:
         with self._lock:

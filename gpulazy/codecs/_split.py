@@ -44,7 +44,7 @@ import numpy as np
 from gpulazy.spec import Codec
 
 __all__ = ["DEFLATE_IDS", "PRIORS", "RECORD", "ROUND", "ZSTD_IDS", "RateRecord", "Rates", "applies", "family",
-           "force", "gpu_seconds", "gpu_share", "host_seconds", "makespan", "mode", "overlap", "per_stream", "plan"]
+           "force", "gpu_seconds", "gpu_share", "host_seconds", "makespan", "overlap", "per_stream", "plan"]
 
 #: Decoded bytes per round of a host share (``_beside.HostShare``): each round is copied down and
 #: up while the next decodes, so only the first copy down and the last copy up are not hidden.
@@ -74,14 +74,12 @@ class Rates:
     ``gpu_per_stream`` nvCOMP Deflate on an H100: 9 MB/s. The fourth session measured 1.6 GB/s
     over 256 streams of 2 MiB (``bench_codecs.py --chunks 256``, 6.3 MB/s a stream); the ninth
     3.0 GB/s over the same (11.7 MB/s), and the rate learnt over a 4 GiB HDF5 gzip-1 read, four
-    batches at once, was 9.3 MB/s. Starting too low, a process's first batches went to the host
-    alone while the GPU idled (its first 4 GiB read: 2.1 GB/s, later ones 6.0).
-    ``gpu_streams`` how many streams nvCOMP runs at once before
+    batches at once, was 9.3 MB/s. ``gpu_streams`` how many streams nvCOMP runs at once before
     its rate stops growing: 1024. On an H100, one nvCOMP call over 1 GiB of zlib-1 pieces gave
     1.54 GB/s for 256 pieces of 4 MiB, 5.11 for 1024 of 1 MiB, 6.62 for 2048 of 512 KiB and
     6.87-7.38 for 4096-8192 of 256 KiB down to 64 KiB, flat after ~1100 streams (the ninth
-    session's call: 2 MiB pieces at 10.0 GB/s for 1024 and 12.9 for 2048); ``gpu_call`` what one nvCOMP call costs
-    besides decoding (framing checks, the copy of headers, the size read-back); ``link`` the
+    session's call: 2 MiB pieces at 10.0 GB/s for 1024 and 12.9 for 2048); ``gpu_call`` what one
+    nvCOMP call costs besides decoding (framing checks, the copy of headers, the size read-back); ``link`` the
     host share's copies down and up through pinned memory (54.9 GB/s host to device on that
     host, ``DESIGN.md``), all but one round's each way hidden behind decoding (``ROUND``);
     ``overlap`` 1 when the host's threads decode while the calling thread waits in nvCOMP, 0
@@ -312,16 +310,11 @@ def force(mode: str) -> Iterator[None]:
         _forced.pop()
 
 
-def mode() -> str:
-    """What ``force`` says now (``"auto"`` outside it)."""
-    return _forced[-1] if _forced else "auto"
-
-
 def gpu_share(decoded: Sequence[int], stored: Sequence[int], cores: int, device: str, kind: str = "deflate",
               backlog: float = 0.0) -> list[int]:
     """The pieces of this batch nvCOMP decodes on ``device``: ``plan`` on its recorded rates for
     ``kind`` (``family``) behind ``backlog`` seconds of host work, or what ``force`` says."""
-    forced = mode()
+    forced = _forced[-1] if _forced else "auto"
     if forced == "host":
         return []
     if forced == "gpu":

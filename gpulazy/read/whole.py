@@ -26,8 +26,8 @@ from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "held_bytes",
-           "inflight_room", "settle_later", "settle_pool", "settlers", "stream_calls", "GROUP", "STAGED",
-           "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
+           "inflight_room", "settle_later", "settle_pool", "settle_slots", "settlers", "stream_calls", "GROUP",
+           "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
 
 GROUP = 256 << 20
 STAGED = 512 << 20
@@ -251,12 +251,13 @@ class _Settler:
     decode at once; chunks read as stored have nothing to decode and settle inline. Chunks are
     still handed out (``landed``) on the caller's thread, in order.
 
-    Why two (``SETTLERS``; Deflate takes ``STREAM_SETTLERS``, see ``settlers``): a settle thread waits on each submission's nvCOMP call, so the next submission's
-    framing, walks and placement go on meanwhile. On an H100 a 4 GiB zstd Zarr (8 MiB chunks)
-    read at 23.7 and 19.3 GB/s with one settle thread and 24.4 and 20.7 with two (two calls,
-    1 GiB submissions); four threads with 512 MiB submissions gave 18–19, and LZ4 fell from
-    10.8 to 9.4: the settle threads' Python then holds up the thread submitting reads (its
-    512 ``pread`` calls took 240 ms instead of 55), so more threads buy nothing.
+    Why two (``SETTLERS``; Deflate may take ``STREAM_SETTLERS``, see ``settlers``): a settle thread
+    waits on each submission's nvCOMP call, so the next submission's framing, walks and placement
+    go on meanwhile. On an H100 a 4 GiB zstd Zarr (8 MiB chunks) read at 23.7 and 19.3 GB/s with
+    one settle thread and 24.4 and 20.7 with two (two calls, 1 GiB submissions); four threads
+    with 512 MiB submissions gave 18–19, and LZ4 fell from 10.8 to 9.4: the settle threads'
+    Python then holds up the thread submitting reads (its 512 ``pread`` calls took 240 ms
+    instead of 55), so more threads buy nothing for zstd or LZ4.
     The threads outlive a read: each keeps its CUDA stream (``gpulazy_stream``) for the next.
     """
 

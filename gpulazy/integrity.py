@@ -3,15 +3,17 @@
 A ``ChunkSpec`` carries the ``FileIdentity`` (path, size, mtime, inode, ctime) of each
 file it depends on, taken when the files were indexed: the files it reads, the files whose
 absence made a piece its fill value (a Zarr chunk never written: it must still be absent)
-and metadata files that describe its bytes. The read engine stats those files
-before a read (a cached or prefetched chunk of a file that changed since is never
-served, and a file replaced by a FIFO is never opened) and again after it (a file
-written during the read may have given mixed bytes), and raises ``ChunkReadError``
-naming the file, offset and byte count when anything differs. It also turns an ``OSError``
-a backend let through (``EIO`` from a failing disk) into a ``ChunkReadError`` that says
-where. The read engine (``gpulazy.read``) runs these checks around every read.
+and metadata files that describe its bytes. The read engine (``gpulazy.read``) stats
+those files after each read (a file changed before the read or written during it may
+have given other or mixed bytes; a read or decode that failed on a changed file says
+what changed), and a consumer serving a chunk from a cache stats them before serving it
+(a cached or prefetched chunk of a file that changed since is never served); each raises
+``ChunkReadError`` naming the file, offset and byte count when anything differs. (The
+backends themselves never open a FIFO or a directory.) It also turns an ``OSError`` a
+backend let through (``EIO`` from a failing disk) into a ``ChunkReadError`` that says where.
 
-A stat costs about a microsecond; a read does two per file of the chunk, a cache hit one.
+A read does one stat per file of the chunk (chunks of one file that landed together share
+it), a cache hit one.
 
 >>> import numpy as np, os, tempfile, gpulazy
 >>> p = os.path.join(tempfile.mkdtemp(), "a.raw"); np.arange(4, dtype="u1").tofile(p)

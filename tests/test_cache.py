@@ -866,7 +866,7 @@ def test_chunk_source_start_reads_real_bytes_and_checks_the_file(tmp_path, cache
     with open(path, "ab") as f:                          # the file changes after indexing
         f.write(b"x")
     with pytest.raises(gpulazy.errors.ChunkReadError, match="changed since"):
-        source.start(specs[:1])
+        source.start(specs[:1])[0].result()
 
 
 def test_dropped_caches_are_freed_and_an_array_keeps_its_cache(tmp_path):

@@ -113,7 +113,7 @@ def test_the_stored_bytes_of_a_submission_share_one_allocation(tmp_path, allocs)
     p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
     vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))
     specs = list(vol.chunk_index.specs.values())
-    reads = start(specs, get_backend("posix", "cpu"), check=False)
+    reads = start(specs, get_backend("posix", "cpu"))
     for i in range(len(specs)):
         np.testing.assert_array_equal(reads.chunk(i), data[2 * i:2 * i + 2])
     staged = [s for s in allocs if len(s) == 1]
@@ -135,7 +135,7 @@ def test_a_chunk_lands_in_the_destination_it_is_given(tmp_path_factory, order, s
     big = np.full((12, 10) if strided else (6, 5), 7, dtype=dt.newbyteorder("="))
     out = big[::2, ::2] if strided else big
     before = _buffers()
-    (got,) = read([spec], get_backend("posix", "cpu"), [out], check=False)
+    (got,) = read([spec], get_backend("posix", "cpu"), [out])
     assert got is out
     np.testing.assert_array_equal(out, data)
     in_place = not strided and (order == "C")  # an F chunk's bytes are not a C destination's memory
@@ -148,7 +148,7 @@ def test_a_destination_of_the_wrong_shape_is_refused(tmp_path):
     p, data = _raw(tmp_path)
     spec = ChunkSpec((ByteRange(p, 0, 512),), (16, 16), "<u2")
     with pytest.raises(ValueError, match=r"\(16, 16\)"):
-        start([spec], get_backend("posix", "cpu"), [np.empty((16, 15), "<u2")], check=False)
+        start([spec], get_backend("posix", "cpu"), [np.empty((16, 15), "<u2")])
 
 
 # -- verified reads: the landed chunks of a submission hashed together ---------------------------
@@ -177,7 +177,7 @@ def test_a_verified_chunk_is_checked_with_the_landed_chunks_of_its_submission(tm
         return real(bufs, specs_)
 
     monkeypatch.setattr(checksums, "verify_chunks", spy)
-    reads = start(specs, get_backend("posix", "cpu"), verify=True, check=False)
+    reads = start(specs, get_backend("posix", "cpu"), verify=True)
     for f in reads.futures:
         f.future.result()  # every read has landed (not yet verified)
     np.testing.assert_array_equal(reads.chunk(2), data[2:3])
@@ -205,7 +205,7 @@ def test_an_unverified_plain_chunk_finishes_alone(tmp_path, monkeypatch):
         return real(self, idx)
 
     monkeypatch.setattr(engine.Reads, "_finish", spy)
-    reads = start(list(vol.chunk_index.specs.values()), get_backend("posix", "cpu"), check=False)
+    reads = start(list(vol.chunk_index.specs.values()), get_backend("posix", "cpu"))
     for f in reads.futures:
         f.result()
     np.testing.assert_array_equal(reads.chunk(1), data[1:2])
@@ -229,7 +229,7 @@ def test_one_stat_checks_the_chunks_whose_reads_landed_before_it(tmp_path, monke
         return real(ident)
 
     monkeypatch.setattr(integrity, "_changes", spy)
-    reads = start(specs[:7], get_backend("posix", "cpu"), check=False)
+    reads = start(specs[:7], get_backend("posix", "cpu"))
     for f in reads.futures:
         f.result()                                                   # every read has landed
     for i in range(7):
@@ -248,7 +248,7 @@ def test_one_stat_checks_the_chunks_whose_reads_landed_before_it(tmp_path, monke
 
     monkeypatch.setattr(_posix, "_preadv", held)
     try:
-        late = start(specs[6:], get_backend("posix", "cpu", threads=2), check=False)
+        late = start(specs[6:], get_backend("posix", "cpu", threads=2))
         np.testing.assert_array_equal(late.chunk(0), data[6:7])      # its stat: chunk 7 not landed
         with open(p, "ab") as f:                                     # the file grows after that stat
             f.write(b"\0\0")
@@ -269,7 +269,7 @@ def test_a_corrupt_chunk_fails_alone_in_its_batch(tmp_path):
     vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))
     specs = list(vol.chunk_index.specs.values())
     bad = specs[1].ranges[0]
-    reads = start(specs, get_backend("posix", "cpu"), check=False)
+    reads = start(specs, get_backend("posix", "cpu"))
     np.testing.assert_array_equal(reads.chunk(0), data[0:2])
     with pytest.raises(ChunkDecodeError) as e:
         reads.chunk(1)
@@ -283,7 +283,7 @@ def test_a_short_file_raises_with_its_path_after_every_read_settled(tmp_path):
     p, data = _raw(tmp_path)
     specs = [ChunkSpec((ByteRange(p, 512 * i, 512),), (16, 16), "<u2", index=(i,)) for i in range(8)]
     specs.append(ChunkSpec((ByteRange(p, 4096, 512),), (16, 16), "<u2", index=(8,)))  # past the end
-    reads = start(specs, get_backend("posix", "cpu"), check=False)
+    reads = start(specs, get_backend("posix", "cpu"))
     with pytest.raises(ChunkReadError) as e:
         reads.result()
     assert p in str(e.value)
@@ -291,7 +291,8 @@ def test_a_short_file_raises_with_its_path_after_every_read_settled(tmp_path):
     np.testing.assert_array_equal(reads.chunk(3), data[3].reshape(16, 16))
 
 
-def test_a_file_changed_after_indexing_is_never_read(tmp_path):
+def test_a_file_changed_after_indexing_fails_each_chunk_with_what_changed(tmp_path):
+    # Nothing stats a file before its read: the stat after it catches a change made before.
     p, data = _raw(tmp_path)
     vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=False)
     specs = list(vol.chunk_index.specs.values())
@@ -299,8 +300,32 @@ def test_a_file_changed_after_indexing_is_never_read(tmp_path):
     import os
 
     os.replace(p + ".new", p)
-    with pytest.raises(ChunkReadError, match="changed since it was indexed"):
-        start(specs, get_backend("posix", "cpu"))
+    reads = start(specs, get_backend("posix", "cpu"))
+    for i in range(len(specs)):
+        with pytest.raises(ChunkReadError, match="changed since it was indexed") as e:
+            reads.chunk(i)
+        assert e.value.path == p and "inode" in str(e.value)
+
+
+@pytest.mark.parametrize("change", ["truncated", "removed"])
+def test_a_read_that_fails_on_a_changed_file_says_what_changed(tmp_path, change):
+    # The read itself fails (a short read, a missing file); the error says why: the file changed
+    # since indexing, with the read's own failure as its cause.
+    import os
+
+    p, data = _raw(tmp_path)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    if change == "truncated":
+        os.truncate(p, 100)
+    else:
+        os.remove(p)
+    reads = start(specs, get_backend("posix", "cpu"))
+    with pytest.raises(ChunkReadError, match="changed since it was indexed") as e:
+        reads.chunk(len(specs) - 1)
+    assert e.value.path == p
+    assert ("size 4096 -> 100" if change == "truncated" else "can no longer be found") in str(e.value)
+    assert e.value.__cause__ is not None and "changed since" not in str(e.value.__cause__)
 
 
 def test_a_file_written_during_the_read_fails_every_chunk_of_it_with_one_stat(tmp_path, monkeypatch):

@@ -35,10 +35,12 @@ class CachedBatch:
         from gpulazy.integrity import check_all_unchanged
 
         self = cls(source, specs)
-        check_all_unchanged(specs)  # a cached chunk of a file changed since indexing is never served
         cache = source.cache_instance()
         if cache is not None:
             self.arrays = cache.get_cached(specs)
+            # A cached chunk of a file changed since indexing is never served; the engine checks
+            # the files of what it reads after the reads.
+            check_all_unchanged([s for s, a in zip(specs, self.arrays) if a is not None])
         todo = []
         for i, spec in enumerate(specs):
             if self.arrays[i] is None:
@@ -84,5 +86,5 @@ def _start_retrying(specs: list[ChunkSpec], source: Any) -> Any:
     what = (f"reading {len(specs)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
             else "reading chunks")
     return retry_on_oom(lambda: start(specs, source.backend_instance(), verify=source.verify,
-                                      staged=config.get("staging") != "never", check=False),
+                                      staged=config.get("staging") != "never"),
                         device=get_device(source.device), nbytes=sum(s.out_nbytes for s in specs), what=what)

@@ -13,9 +13,12 @@ settles reads. It
   their destinations;
 - **hands out** on gpulazy's own stream, waited for before a chunk is returned, so a
   chunk is complete on every stream (docs/streams.md);
-- checks the files' identities before the reads and after each one
-  (``gpulazy.integrity``), and settles every read before raising the first error, so
-  nothing ever writes into a buffer that was dropped.
+- checks the files' identities after each read (``gpulazy.integrity``): a file changed
+  since indexing, before or during the read, fails its chunks with an error that says what
+  changed, also where the read or decode itself failed on the changed bytes (a consumer
+  serving a chunk from a cache checks that chunk itself: nothing is read for it); and
+  settles every read before raising the first error, so nothing ever writes into a buffer
+  that was dropped.
 
 It counts what it allocates and copies (``gpulazy.stats()["buffers"]``): a chunk read as
 stored is one allocation (its array; none when the caller gives the destination) and no
@@ -28,7 +31,7 @@ copy per piece into place.
 >>> from gpulazy.spec import ByteRange, ChunkSpec
 >>> p = os.path.join(tempfile.mkdtemp(), "a.raw"); np.arange(8, dtype=">u2").tofile(p)
 >>> specs = [ChunkSpec((ByteRange(p, 8 * i, 8),), (4,), ">u2") for i in range(2)]
->>> [a.tolist() for a in start(specs, get_backend("posix", "cpu"), check=False).result()]
+>>> [a.tolist() for a in start(specs, get_backend("posix", "cpu")).result()]
 [[0, 1, 2, 3], [4, 5, 6, 7]]
 """
 
@@ -41,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.device import Device, own_stream
-from gpulazy.integrity import as_read_error, check_all_unchanged, unchanged_each
+from gpulazy.integrity import as_read_error, unchanged_each
 from gpulazy.io import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec
 
@@ -53,7 +56,7 @@ _LANDED_SCAN = 64
 
 
 def start(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | None = None, *,
-          verify: bool = False, staged: bool | None = None, check: bool = True) -> Reads:
+          verify: bool = False, staged: bool | None = None) -> Reads:
     """Start reading ``specs`` in one submission from this thread; returns at once.
 
     Parameters
@@ -69,22 +72,17 @@ def start(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | No
         Check each chunk's stored bytes against their checksums as they land.
     staged
         As in ``Backend.submit_many``.
-    check
-        Stat the files first (a file changed since indexing raises before anything is read).
 
     Out of memory raises ``MemoryError``: the consumer, who knows what it can give back,
     retries (``gpulazy.memory.retry_on_oom``).
     """
-    specs = list(specs)
-    if check:
-        check_all_unchanged(specs)
-    return Reads(specs, backend, outs, verify, staged)
+    return Reads(list(specs), backend, outs, verify, staged)
 
 
 def read(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | None = None, *,
-         verify: bool = False, staged: bool | None = None, check: bool = True) -> list[Any]:
+         verify: bool = False, staged: bool | None = None) -> list[Any]:
     """``start(...).result()``: the chunks, in order, each complete on every stream."""
-    return start(specs, backend, outs, verify=verify, staged=staged, check=check).result()
+    return start(specs, backend, outs, verify=verify, staged=staged).result()
 
 
 class Reads:
@@ -214,9 +212,28 @@ class Reads:
         self._check_landed([i for i in placed if i not in self.checked])
         for i in ok:
             self.bufs[i] = None  # the stored bytes are not needed once decoded
+        self._explain_failed(idx)
         for i in idx:  # a chunk checked early whose read or decode failed drops its entry too
             error = self.checked.pop(i, None)  # written to during the read: bytes may be mixed
             if error is not None and not isinstance(self.outcomes[i], BaseException):
+                self.outcomes[i] = error
+
+    def _explain_failed(self, idx: list[int]) -> None:
+        # Lock held; the outcomes that are errors are the reads' and decodes' (identity checks
+        # not applied yet). A read or decode that failed on a file changed since indexing
+        # (truncated: a short read; rewritten: a garbled frame; removed) fails with what
+        # changed, the failure as its cause. Nothing stats the files before a read, so this is
+        # where a change made before it shows; a read that succeeded was checked by
+        # ``_check_landed``.
+        failed = [i for i in idx if isinstance(self.outcomes[i], Exception)
+                  and not isinstance(self.outcomes[i], MemoryError)]  # out of memory: the consumer retries
+        if not failed:
+            return
+        changed = unchanged_each([self.specs[i] for i in failed])
+        for i in failed:
+            error = changed(self.specs[i])
+            if error is not None:
+                error.__cause__ = self.outcomes[i]
                 self.outcomes[i] = error
 
     def _check_landed(self, idx: list[int]) -> None:

@@ -109,8 +109,10 @@ class ReduceStream:
     def _fold_cached(self, group: list[ChunkSpec]) -> list[ChunkSpec]:
         """Fold the chunks of ``group`` the cache holds, where they lie (no copy); the others."""
         from gpulazy.device import gpulazy_stream
+        from gpulazy.integrity import check_unchanged
 
         def fold(spec: ChunkSpec, chunk: Any) -> None:
+            check_unchanged(spec)  # a cached chunk of a file changed since indexing is never used
             with own_stream(self.dev, wait=False):
                 self.acc.fold(spec, chunk)
 
@@ -121,18 +123,16 @@ class ReduceStream:
         return self.cache.visit(group, fold, after=wait)
 
     def _submit(self, j: int) -> None:
-        from gpulazy.integrity import check_all_unchanged
         from gpulazy.memory import retry_on_oom
         from gpulazy.read.engine import start
 
         group = list(self.groups[j])
-        check_all_unchanged(group)  # a cached chunk of a file changed since indexing is never used
         misses = self._fold_cached(group) if self.cache is not None else group
         reads = None
         if misses:
             first = misses[0]
-            reads = retry_on_oom(lambda: start(misses, self.backend, verify=self.source.verify, staged=False,
-                                               check=False), device=self.dev, nbytes=_bytes(misses),
+            reads = retry_on_oom(lambda: start(misses, self.backend, verify=self.source.verify, staged=False),
+                                 device=self.dev, nbytes=_bytes(misses),
                                  what=f"reading {len(misses)} chunks from {first.index} of {first.paths[0]!r}"
                                  if first.ranges else "reading chunks")
         nbytes = _bytes(misses)

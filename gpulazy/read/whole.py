@@ -63,10 +63,11 @@ def read_whole(specs: dict, source: Any, chunks: tuple, dtype: Any, order: str =
     """Every chunk of ``specs`` read into one array with dask ``chunks`` on ``source``'s device.
 
     ``hooks`` (a ``gpulazy._hooks.FastPathHooks``) hears of each chunk task ``(name, *index)``
-    as its read is submitted and as it lands. Hits are copied from ``source``'s cache; misses
-    are not inserted in it. The first error is raised once every submitted read has settled.
+    as its read is submitted and as it lands. Hits are copied from ``source``'s cache, each
+    file of theirs stat'ed (a file changed since indexing raises); misses are not inserted in
+    it, and the engine checks their files after their reads. The first error is raised once
+    every submitted read has settled.
     """
-    from gpulazy.integrity import check_all_unchanged
     from gpulazy.memory import retry_on_oom
 
     dev = get_device(source.device)
@@ -77,7 +78,6 @@ def read_whole(specs: dict, source: Any, chunks: tuple, dtype: Any, order: str =
     with dev.activate():
         out = retry_on_oom(lambda: dev.alloc(shape, dtype, order), device=dev,
                            nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
-    check_all_unchanged(specs.values())  # nothing cached or read from a file changed since indexing
     todo: list[tuple[ChunkSpec, Any]] = []
     with dev.activate():
         for spec in specs.values():
@@ -85,7 +85,7 @@ def read_whole(specs: dict, source: Any, chunks: tuple, dtype: Any, order: str =
             view = out[tuple(slice(edges[a][i], edges[a][i + 1]) for a, i in enumerate(spec.index)) + (Ellipsis,)]
             if hooks:
                 hooks.pretask((name, *spec.index))
-            if view.size == 0 or (cache is not None and cache.read_into(spec, view)):
+            if view.size == 0 or (cache is not None and _hit(cache, spec, view)):
                 if hooks:
                     hooks.posttask((name, *spec.index), view)
                 continue
@@ -104,7 +104,7 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
     own (from the cache when it is there), whose overlap is copied in as it lands. Chunks
     outside the box are not read.
     """
-    from gpulazy.integrity import check_all_unchanged
+    from gpulazy.integrity import check_unchanged
     from gpulazy.memory import retry_on_oom
 
     dev = get_device(source.device)
@@ -116,19 +116,23 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                            nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
     needed = [spec for spec in specs.values() if all(
         edges[a][i] < hi and edges[a][i + 1] > lo for a, (i, (lo, hi)) in enumerate(zip(spec.index, region)))]
-    check_all_unchanged(needed)
     todo: list[tuple[ChunkSpec, Any]] = []
     cuts: dict[str, tuple] = {}
+
+    def copy_hit(spec: ChunkSpec, entry: Any, src: tuple, dst: tuple) -> None:
+        check_unchanged(spec)  # a cached chunk of a file changed since indexing is never served
+        _copy_part(out, dst, entry, src, dev)
+
     with dev.activate():
         for spec in needed:
             src, dst, whole = _overlap(spec.index, edges, region)
             if whole:
                 view = out[dst + (Ellipsis,)]
-                if not (cache is not None and cache.read_into(spec, view)):
+                if not (cache is not None and _hit(cache, spec, view)):
                     todo.append((spec, view))
                 continue
             if cache is not None and not cache.visit(
-                    [spec], lambda _, entry, src=src, dst=dst: _copy_part(out, dst, entry, src, dev)):
+                    [spec], lambda spec, entry, src=src, dst=dst: copy_hit(spec, entry, src, dst)):
                 continue  # cached: its part copied straight out of the cache's entry (waited for)
             part = None if source.verify else _slab(spec, src)
             if part is not None:
@@ -145,6 +149,19 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
         read_in_order(todo, source.backend_instance(), source.verify, landed, max(STAGED, inflight_room(dev)))
     return out
+
+
+def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:
+    """Whether ``spec`` was cached and copied into ``out``; raises if a file of it changed since
+    indexing. Reads are checked by the engine after they land, so only hits are stat'ed here: a
+    stat of every file before the first read was submitted held a read of thousands of chunk
+    files up by one stat per file."""
+    from gpulazy.integrity import check_unchanged
+
+    if not cache.read_into(spec, out):
+        return False
+    check_unchanged(spec)  # ``out`` is not handed out if this raises
+    return True
 
 
 def _slab(spec: ChunkSpec, src: tuple) -> ChunkSpec | None:
@@ -229,8 +246,7 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
             while inflight and held + nbytes > limit:
                 hand_out()
             try:
-                reads = start([s for s, _ in group], backend, [d for _, d in group], verify=verify, staged=False,
-                              check=False)
+                reads = start([s for s, _ in group], backend, [d for _, d in group], verify=verify, staged=False)
             except BaseException as e:
                 errors.append(e)
                 break

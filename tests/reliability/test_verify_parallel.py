@@ -135,7 +135,7 @@ def test_settle_many_verifies_a_batch_once_and_each_chunk_raises_its_own(tmp_pat
     singles = []
     real = checksums.verify_chunk
     monkeypatch.setattr(checksums, "verify_chunk", lambda buf, s: singles.append(s) or real(buf, s))
-    reads = start(specs, get_backend("posix", "cpu"), verify=True, check=False)
+    reads = start(specs, get_backend("posix", "cpu"), verify=True)
     checksums.VerifiedRead.settle_many(reads.futures)
     chunk = 3 * BLOCK + 1001
     for k in range(len(specs)):

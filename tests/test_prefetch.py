@@ -489,3 +489,34 @@ def test_hit_rate_on_the_gpu(tmp_path):
         assert np.array_equal(to_host(first), data[:64])
     finally:
         cache.close()
+
+
+def test_a_read_ahead_no_task_took_is_settled_when_the_computation_ends(tmp_path, cache, monkeypatch):
+    """A chunk read ahead whose task started but never took it (the computation failed first, or a
+    streamed reduction read the chunk itself) is settled by ``stop``: cached, the cache idle."""
+    from gpulazy.io import _posix
+    from gpulazy.prefetch.plan import ReadAhead
+
+    vol, data = make_volume(tmp_path, n=4, cache=cache)
+    specs = list(vol.chunk_index.specs.values())
+    source = ChunkSource(device="cpu", cache=cache.name)
+    gate, real_preadv = threading.Event(), _posix._preadv
+
+    def held(fd, buffers, offset):  # every read waits at the gate
+        gate.wait(30)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(_posix, "_preadv", held)
+    ahead = ReadAhead(depth=8)
+    reads = ahead.keep([(i, spec, source) for i, spec in enumerate(specs)])
+    try:
+        ahead.start(reads)                       # all four started, none landed
+        ahead.started([rid for rid, _ in reads])  # their tasks start; none takes its chunk
+        assert cache.stats()["in_flight"] == 4
+    finally:
+        gate.set()
+    ahead.stop()
+    s = cache.stats()
+    assert s["in_flight"] == 0 and s["bytes_reserved"] == 0 and s["entries"] == 4
+    for k, spec in enumerate(specs):
+        np.testing.assert_array_equal(cache.get(spec, lambda s: pytest.fail("read again")), data[16 * k:16 * (k + 1)])

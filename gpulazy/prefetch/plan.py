@@ -144,6 +144,11 @@ class ReadAheadPlan:
         self._issued.clear()
         return out
 
+    @property
+    def consumed(self) -> list[ChunkSpec]:
+        """The reads the scheduler has started."""
+        return [self._specs[rid] for rid in self._consumed]
+
     # -- views
 
     @property
@@ -396,10 +401,19 @@ class ReadAhead:
         self.issue()
 
     def stop(self) -> int:
-        """Cancel every prefetch still queued for this plan; returns how many were cancelled."""
+        """Cancel every prefetch still queued for this plan and settle the reads it started;
+        returns how many were cancelled.
+
+        A read-ahead of a chunk whose task has started is normally taken by that task, but
+        not when the computation failed first, or when the task read the chunk its own way
+        (a streamed reduction reads what is not cached yet): such a read would stay in
+        flight, holding its share of the cache, until a later computation polled it. It is
+        settled here (cached, or its error recorded), so no read outlives its computation.
+        """
         if self.plan is None:
             return 0
-        return self._cancel(self.plan.cancel_all())
+        n = self._cancel(self.plan.cancel_all())
+        return n + self._cancel(self.plan.consumed)
 
     def forget(self, reads: Iterable[tuple[Hashable, ChunkSpec]]) -> None:
         """Drop the bookkeeping of reads that are done with (long-lived planners)."""

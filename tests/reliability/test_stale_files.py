@@ -136,6 +136,30 @@ def test_an_array_indexed_before_the_change_refuses_to_compute(raw, change, how)
     np.testing.assert_array_equal(COMPUTES[how](_vol(raw)), _expected(how, 2))
 
 
+FAST_PATHS = {
+    "whole-array": lambda v: v.compute(),
+    "box": lambda v: v[2:7].compute(),
+    "streamed-max": lambda v: v.max(axis=0).compute(),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", list(FAST_PATHS))
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_cached_chunk_of_a_changed_file_is_never_served(raw, change, how):
+    # The whole-array, box and streamed-reduction paths take cached chunks as they are: each hit
+    # stats its file first (reads are checked after they land; a hit reads nothing).
+    vol = _vol(raw)
+    (vol * 1).compute(scheduler="sync")  # every chunk in the default cache
+    assert default_cache("cpu").stats()["entries"] == 4
+    CHANGES[change](raw, 2)
+    read_before = gpulazy.stats().snapshot()["bytes_read"]
+    with pytest.raises(ChunkReadError, match="changed since it was indexed") as info:
+        FAST_PATHS[how](vol)
+    assert info.value.path == raw
+    assert gpulazy.stats().snapshot()["bytes_read"] == read_before  # refused at the hit, nothing read
+
+
 @pytest.mark.timeout(60)
 def test_file_written_during_a_read_raises_not_mixed_bytes(raw):
     """A read that overlaps a write: its bytes may be half old, half new; the check after it says so."""

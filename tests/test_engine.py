@@ -432,3 +432,49 @@ def test_deflate_submissions_decode_side_by_side_until_nvcomp_has_enough_pieces(
     assert stream_calls([spec(zstd, 4 << 20)], GiB) == 0
     assert settlers([spec(zstd, 4 << 20)], 4 * GiB, GiB) == SETTLERS == 2
     assert settlers([spec(zstd, 4 << 20)], GiB, GiB) == 1
+
+
+# -- kept handles: no stat before a read of a file kept open as indexed ---------------------------
+
+def test_a_file_kept_open_as_indexed_is_read_without_a_stat_before(tmp_path, monkeypatch):
+    from gpulazy.io._handles import HandleCache
+
+    p, data = _raw(tmp_path)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    backend = get_backend("posix", "cpu")
+    read(specs, backend)                                             # opens the file, keeps it
+    stats = []
+    real = HandleCache.acquire
+    monkeypatch.setattr(HandleCache, "acquire", lambda self, path, st=None: stats.append(path) or real(self, path, st))
+    got = read(specs, backend)
+    np.testing.assert_array_equal(np.concatenate(got), data)
+    assert stats == []                                               # served by HandleCache.reuse
+
+
+@pytest.mark.parametrize("change", ["replaced", "rewritten in place"])
+def test_a_kept_handle_never_hides_a_change(tmp_path, change):
+    # The kept handle still reads the file as it was indexed (replaced: the old inode) or its new
+    # bytes (rewritten): the stat after the read fails the chunks either way, and a new index
+    # reads the file as it is now through a handle opened anew.
+    import os
+
+    p, data = _raw(tmp_path)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    backend = get_backend("posix", "cpu")
+    read(specs, backend)
+    new = (data + 1).astype("<u2")
+    if change == "replaced":
+        new.tofile(p + ".new")
+        os.replace(p + ".new", p)
+    else:
+        with open(p, "r+b") as f:
+            f.write(new.tobytes())
+    reads = start(specs, backend)
+    for i in range(len(specs)):
+        with pytest.raises(ChunkReadError, match="changed since it was indexed"):
+            reads.chunk(i)
+    again = list(gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu",
+                                    cache=False).chunk_index.specs.values())
+    np.testing.assert_array_equal(np.concatenate(read(again, backend)), new)

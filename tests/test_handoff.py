@@ -131,16 +131,17 @@ def test_release_empties_caches_and_reports_bytes(tmp_path):
 # --- out-of-memory recovery ---------------------------------------------------------------------
 
 class OomOnceBackend(PosixBackend):
-    """Test double: a posix backend whose first ``fail`` submits raise MemoryError (as a full GPU would)."""
+    """Test double: a posix backend whose first ``fail`` submissions raise MemoryError (as a full GPU
+    would). (The read engine submits through ``submit_many``.)"""
 
     name = "oom-once"
     fail = 1
 
-    def submit(self, ranges, out):
+    def submit_many(self, jobs, **kwargs):
         if type(self).fail > 0:
             type(self).fail -= 1
             raise MemoryError("out of memory (injected by OomOnceBackend)")
-        return super().submit(ranges, out)
+        return super().submit_many(jobs, **kwargs)
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ import os
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from gpulazy import config
 from gpulazy.device import Device
 from gpulazy.errors import BackendUnavailableError, ChunkReadError
-from gpulazy.spec import ByteRange
+from gpulazy.spec import ByteRange, FileIdentity
 from gpulazy.stats import Stats, default_stats
 
 __all__ = ["Backend", "ReadFuture", "short_read_error", "open_error", "read_error", "total_bytes"]
@@ -164,14 +164,18 @@ class Backend(ABC):
     def submit(self, ranges: Sequence[ByteRange], out: Any) -> ReadFuture:
         """Start reading ``ranges`` concatenated into ``out``; return a ``ReadFuture``."""
 
-    def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None
-                    ) -> list[ReadFuture]:
+    def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None,
+                    known: Mapping[str, FileIdentity] | None = None) -> list[ReadFuture]:
         """Start several reads at once: ``[(ranges, out), ...]`` -> one ``ReadFuture`` each.
 
         Backends that can submit a batch in one go (KvikIO: one waiting thread, open
         files kept, contiguous ranges merged) override this; the default submits each.
         ``staged`` asks for reads through pinned host buffers and the backend's own
         non-blocking streams where the backend has both (``None``: config ``staging``).
+        ``known``: the identities the caller indexed the files with, where it stats the files
+        after the reads (the read engine does); a backend that keeps files open may then read
+        through a handle opened on that very file without a stat first
+        (``HandleCache.reuse``). Backends without kept handles ignore it.
         """
         return [self.submit(ranges, out) for ranges, out in jobs]
 

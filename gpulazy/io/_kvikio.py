@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from gpulazy.device import Device, after_consumer, gpu_count, gpu_unavailable_re
 from gpulazy.errors import ChunkReadError
 from gpulazy.io._base import Backend, ReadFuture, open_error, short_read_error
 from gpulazy.io._handles import HandleCache
-from gpulazy.spec import ByteRange
+from gpulazy.spec import ByteRange, FileIdentity
 
 __all__ = ["KvikioBackend"]
 
@@ -103,8 +103,8 @@ class KvikioBackend(Backend):
     def submit(self, ranges: Sequence[ByteRange], out: Any) -> ReadFuture:
         return self.submit_many([(ranges, out)], staged=False)[0]
 
-    def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None
-                    ) -> list[ReadFuture]:
+    def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None,
+                    known: Mapping[str, FileIdentity] | None = None) -> list[ReadFuture]:
         """Hand every range of ``jobs`` to KvikIO now, from the calling thread; see ``_Batch``.
 
         No Python thread of ours waits on the reads: KvikIO's C++ pool runs them without
@@ -117,7 +117,7 @@ class KvikioBackend(Backend):
         jobs = [(_merge(list(ranges)), out, self._check_out(ranges, out)) for ranges, out in jobs]
         if staged is None:
             staged = config.get("staging") == "always"
-        batch = _Batch(self, jobs, bool(staged))
+        batch = _Batch(self, jobs, bool(staged), known or {})
         return [ReadFuture([_JobPart(batch, j)], _first) for j in range(len(jobs))]
 
     def close(self) -> None:
@@ -126,11 +126,16 @@ class KvikioBackend(Backend):
             batch.settle_all()  # KvikIO's workers use the handles and buffers until then
         self._handles.close()
 
-    def _acquire(self, path: str, held: dict[str, Any]) -> Any:
+    def _acquire(self, path: str, held: dict[str, Any], known: FileIdentity | None = None) -> Any:
+        # A handle kept open on the file as the caller indexed it needs no stat (the caller
+        # stats the path after the read: ``HandleCache.reuse``).
+        h = self._handles.reuse(path, known)
+        if h is not None:
+            held[path] = h
+            return h
         # KvikIO raises a bare RuntimeError for a missing file and opens directories;
         # check first so the error names the path and says what is wrong.
-        # One stat serves these checks and the handle cache's identity check (a stat took
-        # ~0.2 ms on a GPU host's overlay disk, four per chunk file of a Zarr).
+        # One stat serves these checks and the handle cache's identity check.
         try:
             st = os.stat(path)
         except OSError as e:
@@ -207,10 +212,12 @@ class _Batch:
     read is recorded once every job has been waited for; the pinned buffer is dropped then.
     """
 
-    def __init__(self, backend: KvikioBackend, jobs: list[tuple[list[ByteRange], Any, int]], staged: bool):
+    def __init__(self, backend: KvikioBackend, jobs: list[tuple[list[ByteRange], Any, int]], staged: bool,
+                 known: Mapping[str, FileIdentity]):
         self.backend = backend
         self.jobs = jobs
         self.staged = staged
+        self._known = known
         self._lock = threading.RLock()
         self._started = time.perf_counter()
         self._before = backend._snapshot()
@@ -241,7 +248,7 @@ class _Batch:
                 at, dst = self._offsets[j], 0
                 try:
                     for r in ranges:
-                        h = self._held.get(r.path) or backend._acquire(r.path, self._held)
+                        h = self._held.get(r.path) or backend._acquire(r.path, self._held, self._known.get(r.path))
                         if r.nbytes:
                             dest = (self._hview[at + dst: at + dst + r.nbytes] if self.staged
                                     else out[dst: dst + r.nbytes])

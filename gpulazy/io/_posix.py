@@ -21,7 +21,7 @@ import stat
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from gpulazy.device import Device
 from gpulazy.errors import BackendUnavailableError, ChunkReadError
 from gpulazy.io._base import Backend, ReadFuture, open_error, read_error, short_read_error
 from gpulazy.io._handles import Handle, HandleCache
-from gpulazy.spec import ByteRange
+from gpulazy.spec import ByteRange, FileIdentity
 
 __all__ = ["PosixBackend"]
 
@@ -104,15 +104,16 @@ def _open_fd(path: str) -> int:
     return fd
 
 
-def _open_all(paths: Sequence[str], handles: HandleCache) -> dict[str, Handle]:
-    """One handle per distinct path from ``handles``; gives back what it took if one fails."""
+def _open_all(paths: Sequence[str], handles: HandleCache, known: Mapping[str, FileIdentity]) -> dict[str, Handle]:
+    """One handle per distinct path from ``handles`` (kept ones opened on the files as ``known``
+    without a stat: ``HandleCache.reuse``); gives back what it took if one fails."""
     held: dict[str, Handle] = {}
     try:
         for path in paths:
             if path in held:
                 continue
             try:
-                held[path] = handles.acquire(path)
+                held[path] = handles.reuse(path, known.get(path)) or handles.acquire(path)
             except ChunkReadError:
                 raise
             except OSError as e:  # stat failed: missing file, no permission
@@ -235,10 +236,17 @@ class PosixBackend(Backend):
         return "pinned-bounce" if self.device.is_gpu else "posix"
 
     def submit(self, ranges: Sequence[ByteRange], out: Any) -> ReadFuture:
+        return self._submit(ranges, out, {})
+
+    def submit_many(self, jobs: Sequence[tuple[Sequence[ByteRange], Any]], *, staged: bool | None = None,
+                    known: Mapping[str, FileIdentity] | None = None) -> list[ReadFuture]:
+        return [self._submit(ranges, out, known or {}) for ranges, out in jobs]
+
+    def _submit(self, ranges: Sequence[ByteRange], out: Any, known: Mapping[str, FileIdentity]) -> ReadFuture:
         self._check_open()
         nbytes = self._check_out(ranges, out)
         try:
-            held = _open_all([r.path for r in ranges], self._handles)
+            held = _open_all([r.path for r in ranges], self._handles, known)
         except ChunkReadError as e:
             self._record_error()
             return ReadFuture.failed(e)

@@ -46,7 +46,7 @@ import numpy as np
 from gpulazy.device import Device, own_stream
 from gpulazy.integrity import as_read_error, unchanged_each
 from gpulazy.io import Backend, ReadFuture
-from gpulazy.spec import ChunkSpec
+from gpulazy.spec import ChunkSpec, FileIdentity
 
 __all__ = ["Reads", "start", "read", "byte_view"]
 
@@ -123,7 +123,10 @@ class Reads:
                 if spec.nbytes:
                     jobs.append((spec.ranges, self.bufs[i]))
                     slots.append(i)
-            submitted = backend.submit_many(jobs, staged=staged) if jobs else []
+            # Files kept open as indexed are read without a stat: ``_check_landed`` stats them after.
+            known = {ident.path: ident for i in slots for ident in specs[i].identity
+                     if isinstance(ident, FileIdentity) and ident.exists}
+            submitted = backend.submit_many(jobs, staged=staged, known=known) if jobs else []
         self.futures: list[Any] = [ReadFuture.completed(0)] * n
         for i, future in zip(slots, submitted):
             self.futures[i] = _verified(future, self.bufs[i], specs[i]) if verify else future

@@ -256,6 +256,24 @@ class BackendConformance:
             backend.submit([ByteRange(path, 0, 6000)], self.empty(6000)).result(timeout=_TIMEOUT)
         np.testing.assert_array_equal(self.read(backend, [ByteRange(path, 0, 5000)]), file_bytes(path, 0, 5000))
 
+    def test_known_identities_read_each_file_as_it_is(self, backend, tmp_path):
+        # ``submit_many(known=...)`` may read a file kept open as indexed without a stat; an
+        # identity that is not the kept handle's (the file was replaced) opens the file anew.
+        import os
+
+        from gpulazy.spec import FileIdentity
+
+        path = write_file(tmp_path / "k.bin", _random_bytes(8192, 21))
+        for data in (None, _random_bytes(8192, 22)):
+            if data is not None:
+                write_file(tmp_path / "k.new", data)
+                os.replace(tmp_path / "k.new", path)  # a new inode at the same path
+            out = self.empty(8192)
+            job = ([ByteRange(path, 0, 8192)], out)
+            got = backend.submit_many([job], known={path: FileIdentity.of(path)})[0].result(timeout=_TIMEOUT)
+            assert got == 8192
+            np.testing.assert_array_equal(self.host(out), file_bytes(path, 0, 8192))
+
     # -- stats and lifecycle ----------------------------------------------------------------
     def test_stats_recorded(self, backend, tmp_path):
         path = write_file(tmp_path / "a.bin", _random_bytes(77_777, 11))

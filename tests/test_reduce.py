@@ -134,6 +134,35 @@ def test_a_compressed_store_streams_too(tmp_path):
     np.testing.assert_allclose(vol.mean(axis=(1, 2)).compute(), data.mean(axis=(1, 2)))
 
 
+def test_groups_of_chunks_that_decode_hold_enough_pieces_for_one_decode_call(tmp_path, monkeypatch):
+    """A group of a streamed reduction is one decode call: chunks that decode go in groups of at
+    least ``DECODE_GROUP`` stored bytes (nvCOMP needs many pieces a call); stored chunks do not."""
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    from gpulazy.read import reduce, whole
+    from gpulazy.read.reduce import groups_of
+
+    monkeypatch.setattr(whole, "GROUP", 2048)
+    monkeypatch.setattr(reduce, "DECODE_GROUP", 16384)
+    data = np.random.default_rng(6).integers(0, 60000, (32, 32, 16)).astype("<u2")  # 1 KiB a plane
+    vols = {}
+    for name, compressors in (("zstd", ZstdCodec(level=1)), ("stored", None)):
+        p = str(tmp_path / f"{name}.zarr")
+        z = zarr.create_array(p, shape=data.shape, chunks=(2, 16, 16), dtype=data.dtype, compressors=compressors)
+        z[...] = data
+        vols[name] = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))
+    packed = groups_of(vols["zstd"].chunk_index.specs)
+    largest = max(s.nbytes for s in vols["zstd"].chunk_index.specs.values())
+    # filled up to DECODE_GROUP: no room left in a group but the last for its next chunk
+    assert len(packed) >= 2 and all(16384 - largest < sum(s.nbytes for s in g) <= 16384 for g in packed[:-1])
+    stored = groups_of(vols["stored"].chunk_index.specs)
+    size = max(2048, -(-data.nbytes // reduce.STEPS))  # GROUP, or an eighth of the array
+    assert len(stored) > len(packed) and all(sum(s.nbytes for s in g) <= size for g in stored)
+    for vol in vols.values():
+        np.testing.assert_array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("codec", ["zstd", "zlib"])
 def test_compressed_groups_decode_on_the_settle_threads_and_fold_in_order(tmp_path, monkeypatch, device, codec):
@@ -145,10 +174,11 @@ def test_compressed_groups_decode_on_the_settle_threads_and_fold_in_order(tmp_pa
     from numcodecs.zarr3 import Zlib
     from zarr.codecs import ZstdCodec
 
-    from gpulazy.read import whole
+    from gpulazy.read import reduce, whole
     from gpulazy.read.reduce import groups_of
 
     monkeypatch.setattr(whole, "GROUP", 2048)  # a group per chunk or two: many settle at once
+    monkeypatch.setattr(reduce, "DECODE_GROUP", 2048)
     data = np.random.default_rng(5).integers(0, 60000, (24, 32, 16)).astype("<u2")
     p = str(tmp_path / "v.zarr")
     z = zarr.create_array(p, shape=data.shape, chunks=(2, 16, 16), dtype=data.dtype,

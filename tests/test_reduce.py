@@ -163,6 +163,34 @@ def test_groups_of_chunks_that_decode_hold_enough_pieces_for_one_decode_call(tmp
         np.testing.assert_array_equal(vol.max(axis=0).compute(), data.max(axis=0))
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_big_array_reduces_in_more_steps_not_in_bigger_groups(tmp_path, monkeypatch, compressed):
+    """Each group is read into memory at once: past ``STEPS`` groups of ``MOST_GROUP`` decoded bytes,
+    an array takes more steps (a 200 GB volume in eight groups held 25 GB of reads at once)."""
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    from gpulazy.read import reduce, whole
+    from gpulazy.read.reduce import groups_of
+
+    monkeypatch.setattr(whole, "GROUP", 1024)
+    monkeypatch.setattr(reduce, "DECODE_GROUP", 1024)
+    monkeypatch.setattr(reduce, "MOST_GROUP", 4096)
+    data = np.zeros((64, 32, 16), "<u2")  # zeros: compressed, a chunk's bytes shrink a lot
+    data[::3] = np.random.default_rng(7).integers(0, 60000, (22, 32, 16))
+    p = str(tmp_path / "v.zarr")
+    z = zarr.create_array(p, shape=data.shape, chunks=(2, 16, 16), dtype=data.dtype,
+                          compressors=ZstdCodec(level=1) if compressed else None)
+    z[...] = data
+    vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))
+    groups = groups_of(vol.chunk_index.specs)
+    decoded = [sum(s.out_nbytes for s in g) for g in groups]
+    assert len(groups) >= 16 > reduce.STEPS  # 64 KiB in groups of at most 4 KiB decoded
+    assert sum(decoded) == data.nbytes and max(decoded) <= 4096
+    np.testing.assert_array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+    np.testing.assert_allclose(vol.mean(axis=(1, 2)).compute(), data.mean(axis=(1, 2)))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("codec", ["zstd", "zlib"])
 def test_compressed_groups_decode_on_the_settle_threads_and_fold_in_order(tmp_path, monkeypatch, device, codec):

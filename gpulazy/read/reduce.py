@@ -3,10 +3,12 @@
 Through dask, a reduction over a gpulazy array is one task per chunk and a tree of combine
 tasks: on an H100 dask alone took 120 ms for a MIP of 4 GiB of 128 MiB chunks already in
 device memory (35.9 GB/s), so no read could make that MIP reach the whole-array read rate
-(43 GB/s). Here a reduction is a chain of at most ``STEPS`` dask tasks (``ReduceStream``):
-each reads the next groups of chunks through the engine, in block order, and folds a group into
-the result as its reads land, then drops it. Device memory holds the accumulator and the reads
-in flight (config ``read_ahead``, or an eighth of free device memory), never the array. Chunks
+(43 GB/s). Here a reduction is a chain of ``STEPS`` dask tasks (``ReduceStream``; more for an
+array of more than ``STEPS * MOST_GROUP`` bytes): each reads the next groups of chunks through
+the engine, in block order, and folds a group into the result as its reads land, then drops it.
+Device memory holds the accumulator, the group being folded (at most ``MOST_GROUP`` decoded
+bytes) and the reads in flight (config ``read_ahead``, or an eighth of free device memory), never
+the array. Chunks
 in the array's cache are folded where they lie (``DeviceCache.visit``: no copy), and chunks read
 are offered to it, so a second reduction over the same data reads nothing.
 
@@ -36,10 +38,14 @@ def result_dtype(op: str, dtype: Any, ndim: int, axis: tuple[int, ...], cast: An
     return getattr(np, op)(probe, axis=axis).dtype
 
 
-#: Most steps a streamed reduction takes (bigger groups for a bigger array): each step is a dask
-#: task, and dask's own cost per task is what a reduction over cached chunks is held to.
+#: Most steps a streamed reduction of up to ``STEPS * MOST_GROUP`` bytes takes (bigger groups for
+#: a bigger array): each step is a dask task, and dask's own cost per task is what a reduction
+#: over cached chunks is held to.
 STEPS = 8
 
+#: Most bytes a group decodes to: a group's chunks are read into device memory together, so an
+#: array of 200 GB in ``STEPS`` groups would have held 25 GB at once. Bigger arrays take more steps.
+MOST_GROUP = 1 << 30
 
 #: Least stored bytes in a group of chunks that decode: a group is one nvCOMP call (per codec),
 #: which decodes one piece per thread block, so it needs many pieces. On an H100 (one process
@@ -49,13 +55,15 @@ DECODE_GROUP = 512 << 20
 
 
 def groups_of(specs: dict) -> list[tuple[ChunkSpec, ...]]:
-    """The chunks of ``specs`` in block order, in groups of about ``GROUP`` bytes (more for an array
-    of more than ``STEPS`` groups; at least ``DECODE_GROUP`` for chunks that decode): one step each."""
-    size = max(whole.GROUP, -(-sum(s.nbytes for s in specs.values()) // STEPS))
-    if any(s.codec is not None for s in specs.values()):
-        size = max(size, DECODE_GROUP)
+    """The chunks of ``specs`` in block order, in groups of about ``GROUP`` stored bytes (more for an
+    array of more than ``STEPS`` groups; at least ``DECODE_GROUP`` for chunks that decode), none
+    decoding to more than ``MOST_GROUP`` bytes (one chunk always): one step each."""
     wanted = [spec for spec in specs.values() if math.prod(spec.shape)]
-    return [tuple(g) for g in groups_by_bytes(wanted, lambda s: s.nbytes, size)]
+    size = max(whole.GROUP, -(-sum(s.nbytes for s in wanted) // STEPS))
+    if any(s.codec is not None for s in wanted):
+        size = max(size, DECODE_GROUP)
+    groups = groups_by_bytes(wanted, lambda s: s.nbytes, size, bound=(lambda s: s.out_nbytes, MOST_GROUP))
+    return [tuple(g) for g in groups]
 
 
 class ReduceStream:

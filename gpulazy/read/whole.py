@@ -364,21 +364,26 @@ def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:
     return max(GROUP, min(limit // 4, DECODE_GROUP))
 
 
-def groups_by_bytes(items: list, nbytes: Any, size: int | None = None, grow_to: int | None = None) -> list[list]:
+def groups_by_bytes(items: list, nbytes: Any, size: int | None = None, grow_to: int | None = None,
+                    bound: tuple[Any, int] | None = None) -> list[list]:
     """Consecutive ``items`` in groups of about ``size`` bytes (default ``GROUP``; ``nbytes(item)``
     each), none empty. With ``grow_to``, each group may be twice its predecessor, up to
-    ``grow_to`` bytes: the first lands soon, the later ones are large."""
+    ``grow_to`` bytes: the first lands soon, the later ones are large. With ``bound`` (``(measure,
+    most)``), a group also holds at most ``most`` of ``measure(item)`` (one item always)."""
     size = GROUP if size is None else size
+    measure, most = bound if bound is not None else (None, 0)
     groups: list[list] = [[]]
-    held = 0
+    held = other = 0
     for item in items:
         n = nbytes(item)
-        if groups[-1] and held + n > size:
+        m = measure(item) if measure is not None else 0
+        if groups[-1] and (held + n > size or (measure is not None and other + m > most)):
             groups.append([])
-            held = 0
+            held = other = 0
             size = max(size, min(2 * size, grow_to or 0))
         groups[-1].append(item)
         held += n
+        other += m
     return [g for g in groups if g]
 
 

@@ -371,13 +371,12 @@ def groups_by_bytes(items: list, nbytes: Any, size: int | None = None, grow_to: 
     ``grow_to`` bytes: the first lands soon, the later ones are large. With ``bound`` (``(measure,
     most)``), a group also holds at most ``most`` of ``measure(item)`` (one item always)."""
     size = GROUP if size is None else size
-    measure, most = bound if bound is not None else (None, 0)
+    measure, most = bound if bound is not None else (lambda item: 0, math.inf)
     groups: list[list] = [[]]
     held = other = 0
     for item in items:
-        n = nbytes(item)
-        m = measure(item) if measure is not None else 0
-        if groups[-1] and (held + n > size or (measure is not None and other + m > most)):
+        n, m = nbytes(item), measure(item)
+        if groups[-1] and (held + n > size or other + m > most):
             groups.append([])
             held = other = 0
             size = max(size, min(2 * size, grow_to or 0))

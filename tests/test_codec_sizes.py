@@ -351,6 +351,23 @@ def test_nvcomp_routes_a_frame_declaring_another_size_to_the_host(name):
 
 
 @pytest.mark.gpu
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=40))
+def test_the_ends_the_gpu_checks_are_each_pieces_first_and_last_bytes(sizes):
+    import cupy
+
+    from gpulazy.codecs import nvcomp
+
+    blob = cupy.asarray(np.random.default_rng(len(sizes)).integers(0, 256, sum(sizes) + 1, dtype=np.uint8))
+    starts = np.cumsum([0, *sizes])
+    pieces = [blob[a:a + n] for a, n in zip(starts, sizes)]
+    heads, tails = nvcomp._ends(pieces)
+    host = blob.get()
+    assert heads == [host[a:a + min(n, nvcomp._HEAD)].tobytes() for a, n in zip(starts, sizes)]
+    assert tails == [host[a + max(0, n - nvcomp._TAIL):a + n].tobytes() for a, n in zip(starts, sizes)]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["zstd", "lz4", "zlib", "gzip"])
 def test_gpu_short_piece_raises_with_sizes(name):
     import cupy

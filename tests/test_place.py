@@ -27,15 +27,13 @@ def _walk(table: np.ndarray, word: int, total: int, memory: np.ndarray) -> None:
         memory[dst:dst + word] = memory[s:s + word]
 
 
-def _boxes(memory: np.ndarray, chunk: np.ndarray, tiles: list[tuple[np.ndarray, tuple[int, ...]]]) -> list:
+def _batch(memory: np.ndarray, chunk: np.ndarray, tiles: list[tuple[np.ndarray, tuple[int, ...]]]) -> tuple:
+    """The tiles (one shape and layout) of ``chunk`` as one batch of ``place.plan``, addresses as offsets in ``memory``."""
     base = memory.ctypes.data
-    out = []
-    for tile, origin in tiles:
-        b = place.box_of(chunk.shape, chunk.strides, chunk.ctypes.data - base, tile.shape, tile.strides,
-                         tile.ctypes.data - base, origin, chunk.itemsize)
-        if b is not None:
-            out.append((b, tile, origin))
-    return out
+    tile = tiles[0][0]
+    lay = place.Layout(chunk.shape, chunk.strides, tile.shape, tile.strides, chunk.itemsize)
+    return (lay, [chunk.ctypes.data - base] * len(tiles), [t.ctypes.data - base for t, _ in tiles],
+            [origin for _, origin in tiles])
 
 
 @st.composite
@@ -74,11 +72,11 @@ def test_the_table_walked_as_the_kernel_walks_it_places_every_tile_like_numpy(la
     want = np.zeros(shape, dtype)
     for tile, origin in tiles:
         place.assign(want, tile, origin)
-    kept = _boxes(memory, chunk, tiles)
-    table, word, total, rest = place.plan([b for b, _, _ in kept])
+    table, word, total, rest = place.plan([_batch(memory, chunk, tiles)])
     _walk(table, word, total, memory)
-    for i in rest:  # boxes the kernel leaves to assignment (no axis contiguous on both sides)
-        place.assign(chunk, kept[i][1], kept[i][2])
+    for b, i in rest:  # tiles the kernel leaves to assignment (no axis contiguous on both sides)
+        assert b == 0
+        place.assign(chunk, *tiles[i])
     np.testing.assert_array_equal(chunk, want)
     assert dtype.itemsize % word == 0 or word % dtype.itemsize == 0
 
@@ -87,14 +85,29 @@ def test_a_c_order_tile_into_a_c_order_chunk_goes_in_the_launch_with_the_widest_
     memory = np.zeros(4096 + 64, np.uint8)
     chunk = memory[:2048].view("<u2").reshape(32, 32)
     tile = memory[2048:2048 + 512].view("<u2").reshape(16, 16)
-    ((b, _, _),) = _boxes(memory, chunk, [(tile, (16, 0))])
-    table, word, total, rest = place.plan([b])
+    table, word, total, rest = place.plan([_batch(memory, chunk, [(tile, (16, 0))])])
     assert rest == [] and word == 16 and total == 16 * 32 // 16  # 16 rows of 32 bytes, two words each
-    assert list(table[0, :5]) == [0, b.src, b.dst, 2, 1]
+    assert list(table[0, :5]) == [0, 2048, 16 * 64, 2, 1]  # the tile's start, row 16 of the chunk
 
 
-def test_a_tile_wholly_outside_the_chunk_has_no_box():
-    assert place.box_of((4, 4), (16, 4), 0, (2, 2), (8, 4), 100, (4, 0), 4) is None
+def test_tiles_of_two_layouts_share_one_table_in_order_and_a_word_that_divides_both():
+    memory = np.zeros(8192, np.uint8)
+    a = memory[:512].view("<u2").reshape(16, 16)
+    b = memory[512:1024].view("<u4").reshape(8, 16)
+    ta = memory[2048:2048 + 128].view("<u2").reshape(8, 8)
+    tb = memory[4096:4096 + 12].view("<u4").reshape(1, 3)
+    table, word, total, rest = place.plan([_batch(memory, a, [(ta, (0, 8)), (ta, (8, 8))]),
+                                           _batch(memory, b, [(tb, (7, 13))])])
+    assert rest == [] and word == 4  # the u4 row of 3 elements is 12 bytes: 4 divides everything
+    assert len(table) == 3 and list(table[:, 0]) == [0, 32, 64]  # 8 rows of 16 bytes = 32 words, each
+    assert table[2, 1] == 4096 and table[2, 2] == 512 + 7 * 64 + 13 * 4 and table[2, 3] == 3
+
+
+def test_a_tile_wholly_outside_the_chunk_is_neither_placed_nor_left_over():
+    lay = place.Layout((4, 4), (16, 4), (2, 2), (8, 4), 4)
+    table, word, total, rest = place.plan([(lay, [0, 0], [100, 200], [(4, 0), (2, 2)])])
+    assert len(table) == 1 and table[0, 1] == 200 and rest == []  # only the tile at (2, 2)
+    assert (word, total) == (8, 2)  # two rows of 8 bytes
 
 
 @pytest.mark.gpu

@@ -334,8 +334,6 @@ def test_a_file_written_during_the_read_fails_every_chunk_of_it_with_one_stat(tm
     # meanwhile fails each of its chunks with its path, and a file left alone fails none.
     import os
 
-    from gpulazy.spec import FileIdentity
-
     p, data = _raw(tmp_path)
     q = str(tmp_path / "b.raw")
     data.tofile(q)
@@ -346,8 +344,9 @@ def test_a_file_written_during_the_read_fails_every_chunk_of_it_with_one_stat(tm
         f.write(b"\1\2")
     os.utime(q, ns=(1, 1))
     stats: list[str] = []
-    real = FileIdentity.of.__func__
-    monkeypatch.setattr(FileIdentity, "of", classmethod(lambda cls, path: stats.append(path) or real(cls, path)))
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(path) if path in (p, q) else None)
+                        or real(path, *a, **k))
     reads.settle()  # as the whole-array path finishes a submission: all its chunks at once
     for i in range(4):
         np.testing.assert_array_equal(reads.chunk(i), data[2 * i:2 * i + 2])

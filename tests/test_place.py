@@ -127,6 +127,12 @@ def test_the_kernel_places_every_tile_like_numpy(layout):
         place.assign(want, host, origin)
     place.place(pairs)
     np.testing.assert_array_equal(chunk.get(), want)
+    # the same tiles as bare decoded bytes (no array made of each), into a fresh chunk
+    again = cp.zeros(shape, dtype)
+    items = [(again, cp.asarray(np.ascontiguousarray(t.get().T if order == "F" else t.get())).reshape(-1).view(np.uint8),
+              tshape, order, origin) for _, t, origin in pairs]
+    place.place_decoded(items)
+    np.testing.assert_array_equal(again.get(), want)
 
 
 def test_groups_grow_from_the_first_size_to_the_cap_and_keep_every_item_in_order():

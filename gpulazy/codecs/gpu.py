@@ -64,7 +64,7 @@ def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Seq
     from gpulazy.codecs._run import _record
 
     where = _pad(where, len(pieces))
-    current = [p.reshape(-1).view(np.uint8) for p in pieces]
+    current = [p if p.ndim == 1 and p.dtype == np.uint8 else p.reshape(-1).view(np.uint8) for p in pieces]
     if not config.get("gpu_decode"):  # asked for: every step on the host, no warning
         started = time.perf_counter()
         current = _on_host(current, codec, list(expected), where)

@@ -22,6 +22,10 @@ import gpulazy
 from napari_gpulazy._view import HostView
 
 CODECS = ["raw", "zstd", "tiff"]
+#: A raw file in (4, 128, 128) chunks reads each chunk as 512 row ranges, and KvikIO's compat mode
+#: copies each range on a blocking CUDA stream, which waits for the busy legacy stream's 2 ms
+#: kernels: 31 s and 11 s on an H100 host against 1-7 s for the other cases. Run with ``-m gpu``.
+SLOW_RAW = [pytest.param("raw", marks=pytest.mark.slow), "zstd", "tiff"]
 
 
 def _write(tmp_path, data: np.ndarray, chunks: tuple, codec: str) -> str:
@@ -201,8 +205,8 @@ GRIDS = {"1": (4, 512, 512), "2x2": (4, 256, 256), "4x4": (4, 128, 128)}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("grid", list(GRIDS))
+@pytest.mark.parametrize("grid,codec", [
+    pytest.param(g, c, marks=pytest.mark.slow) if (g, c) == ("4x4", "raw") else (g, c) for c in CODECS for g in GRIDS])
 def test_gpu_planes_cold_cached_reread_and_evicted_equal_the_file(tmp_path, codec, grid):
     cp = pytest.importorskip("cupy")
     chunks = GRIDS[grid]
@@ -249,7 +253,7 @@ def test_gpu_planes_of_large_compressed_chunks_equal_the_file(decode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", SLOW_RAW)
 def test_gpu_regions_equal_the_file_with_chunks_read_by_dask_and_prefetch(tmp_path, codec):
     """Cache entries made by every other reader (dask tasks, prefetch threads) serve regions right."""
     cp = pytest.importorskip("cupy")

@@ -418,6 +418,10 @@ class Dashboard:
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # One refresh at a time: the figures read and rendered together, so a refresh that read
+        # earlier never overwrites, part by part, what a later one showed (a saved notebook kept
+        # a throughput read during its MIP although later cells refreshed it).
+        self._refreshing = threading.Lock()
         self._closed = False
         self._build()
         self.update()
@@ -506,8 +510,9 @@ class Dashboard:
         if self._closed:
             return False
         try:
-            f = self.read_figures()
-            self._render(f)
+            with self._refreshing:
+                f = self.read_figures()
+                self._render(f)
         except Exception as e:  # a display must never take the kernel down
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"

@@ -173,6 +173,41 @@ def test_dashboard_shows_reads_as_they_happen():
         dash.close()
 
 
+def test_a_refresh_that_read_earlier_never_overwrites_a_later_one():
+    # The refresh thread reads its figures, then stalls while rendering; meanwhile the notebook's
+    # own update() reads newer ones. The newer figures must be what the dashboard ends showing.
+    import threading
+
+    s = Stats()
+    dash = Dashboard(start=False, stats=s, cache=_CacheFigures())
+    rendering, go = threading.Event(), threading.Event()
+    real = dash._render
+
+    def slow_render(f):
+        if threading.current_thread().name == "stale":
+            rendering.set()
+            go.wait(10)
+        real(f)
+
+    dash._render = slow_render
+    try:
+        stale = threading.Thread(target=dash.update, name="stale")
+        stale.start()
+        assert rendering.wait(10)
+        s.record_read(nbytes=5 << 20, seconds=0.001, backend="posix", mode="posix", device="cpu")
+        fresh = threading.Thread(target=dash.update, name="fresh")
+        fresh.start()
+        fresh.join(0.2)  # it waits for the refresh under way (without that, it renders at once)
+        go.set()
+        stale.join(10)
+        fresh.join(10)
+        assert dash.figures["bytes_read"] == 5 << 20
+        assert f'data-bytes-read="{5 << 20}"' in dash.throughput.value
+    finally:
+        go.set()
+        dash.close()
+
+
 def test_dashboard_without_gpu_says_why():
     dash = Dashboard(start=False, stats=Stats(), device="cpu", cache=_CacheFigures())
     try:

@@ -110,6 +110,12 @@ def test_a_tile_wholly_outside_the_chunk_is_neither_placed_nor_left_over():
     assert (word, total) == (8, 2)  # two rows of 8 bytes
 
 
+def test_decoded_bytes_that_are_not_contiguous_are_refused_not_misplaced():
+    raw = np.arange(32, dtype=np.uint8)[::2]  # every other byte: its address alone misleads
+    with pytest.raises(ValueError, match="not contiguous"):
+        place.place_decoded([(np.zeros((4, 4), np.uint8), raw, (4, 4), "C", (0, 0))])
+
+
 @pytest.mark.gpu
 @settings(max_examples=30, deadline=None)
 @given(layouts())

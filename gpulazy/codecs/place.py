@@ -151,17 +151,16 @@ def place(pairs: Sequence[tuple[Any, Any, Sequence[int]]]) -> None:
 
 
 def place_decoded(items: Sequence[tuple[Any, Any, tuple[int, ...], str, Sequence[int]]]) -> None:
-    """Copy each ``(chunk, raw, shape, order, origin)``: ``raw``, contiguous decoded bytes (CuPy)
-    holding a tile of ``shape`` in ``order`` (``"C"``/``"F"``) of the chunk's dtype, into the CuPy
-    ``chunk`` at ``origin``, in one launch on the current stream. No array is made of each tile:
-    a view and a reshape a tile cost the 2,048 tiles of a 4 GiB LZ4 Zarr several milliseconds of
-    the thread that decodes (H100 host)."""
-    import cupy
-
-    items = [it if it[1].flags.c_contiguous else (it[0], cupy.ascontiguousarray(it[1]), *it[2:]) for it in items]
+    """Copy each ``(chunk, raw, shape, order, origin)``: ``raw``, contiguous decoded bytes (CuPy: the
+    pieces of ``decode_pieces`` are) holding a tile of ``shape`` in ``order`` (``"C"``/``"F"``) of
+    the chunk's dtype, into the CuPy ``chunk`` at ``origin``, in one launch on the current stream.
+    No array is made of each tile: a view and a reshape a tile cost the 2,048 tiles of a 4 GiB LZ4
+    Zarr several milliseconds of the thread that decodes (H100 host)."""
     strides: dict[tuple, tuple[int, ...]] = {}
     entries = []
     for chunk, raw, shape, order, origin in items:
+        if not raw.flags.c_contiguous:  # its address alone would not say where its bytes are
+            raise ValueError(f"a decoded tile of shape {shape} is not contiguous bytes")
         key = (shape, order, chunk.itemsize)
         st = strides.get(key)
         if st is None:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpulazy.codecs import place
+from gpulazy.codecs.pieces import Pieces
 
 
 def _walk(table: np.ndarray, word: int, total: int, memory: np.ndarray) -> None:
@@ -110,10 +111,14 @@ def test_a_tile_wholly_outside_the_chunk_is_neither_placed_nor_left_over():
     assert (word, total) == (8, 2)  # two rows of 8 bytes
 
 
-def test_decoded_bytes_that_are_not_contiguous_are_refused_not_misplaced():
+def test_pieces_of_bytes_that_are_not_contiguous_hold_those_bytes_not_their_neighbours():
+    from gpulazy.codecs.pieces import Pieces, address
+
     raw = np.arange(32, dtype=np.uint8)[::2]  # every other byte: its address alone misleads
-    with pytest.raises(ValueError, match="not contiguous"):
-        place.place_decoded([(np.zeros((4, 4), np.uint8), raw, (4, 4), "C", (0, 0))])
+    pieces = Pieces.of([raw, np.arange(6, dtype="<u2").reshape(2, 3).T])
+    assert pieces[0].tolist() == list(range(0, 32, 2)) and pieces.sizes.tolist() == [16, 12]
+    assert np.frombuffer(pieces[1].tobytes(), "<u2").tolist() == [0, 3, 1, 4, 2, 5]  # C order of the transpose
+    assert int(pieces.ptrs[0]) == address(pieces[0])
 
 
 @pytest.mark.gpu
@@ -135,9 +140,10 @@ def test_the_kernel_places_every_tile_like_numpy(layout):
     np.testing.assert_array_equal(chunk.get(), want)
     # the same tiles as bare decoded bytes (no array made of each), into a fresh chunk
     again = cp.zeros(shape, dtype)
-    items = [(again, cp.asarray(np.ascontiguousarray(t.get().T if order == "F" else t.get())).reshape(-1).view(np.uint8),
-              tshape, order, origin) for _, t, origin in pairs]
-    place.place_decoded(items)
+    raws = [cp.asarray(np.ascontiguousarray(t.get().T if order == "F" else t.get())).reshape(-1).view(np.uint8)
+            for _, t, _ in pairs]
+    place.place_decoded([again] * len(pairs), Pieces.of(raws), [tshape] * len(pairs), [order] * len(pairs),
+                        [origin for _, _, origin in pairs])
     np.testing.assert_array_equal(again.get(), want)
 
 

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.codecs._pipeline import check_supported, decode_pieces, gpu_codecs
+from gpulazy.codecs.pieces import Pieces, flat
 from gpulazy.device import Device, own_stream
 from gpulazy.spec import ChunkSpec, Tile
 from gpulazy.stats import record_fills
@@ -55,28 +56,34 @@ def assemble_batch(bufs: Sequence[Any], specs: Sequence[ChunkSpec], device: Devi
 
     ``outs[i]``, when given (an array of ``specs[i].shape`` and native dtype on ``device``),
     receives chunk ``i`` in place; otherwise it is allocated. Returns the chunks. Batching
-    across chunks is what lets nvCOMP see many pieces per call.
+    across chunks is what lets nvCOMP see many pieces per call; the pieces go from ``bufs`` to
+    the chunks as one table (``gpulazy.codecs.pieces``), not an array each.
     """
     outs = list(outs) if outs is not None else [None] * len(specs)
     groups: dict[tuple, list[tuple[int, Tile, int, int]]] = {}
     for k, spec in enumerate(specs):
         segments = spec.tile_segments() if spec.tiles else [(_whole(spec), 0, spec.nbytes)]
         groups.setdefault(tuple(spec.codec or ()), []).extend((k, t, a, n) for t, a, n in segments)
+    owners = [flat(b) for b in bufs]
+    itemsizes = [np.dtype(spec.dtype).itemsize for spec in specs]
     # Decoding, filling and placing run on gpulazy's own stream, never the caller's: a chunk
     # assembled on the caller's (legacy) stream was copied into the cache on gpulazy's stream
     # before it was complete (napari showed rows of zeros and other planes' pixels).
-    placed: list[tuple[Any, Any, Tile, np.dtype]] = []
-    dtypes = [np.dtype(spec.dtype) for spec in specs]
+    placed: list[tuple[list[tuple[int, Tile, int, int]], Pieces]] = []
     with own_stream(device):
         results = [_prepare(device.alloc(spec.shape, spec.out_dtype) if out is None else out, spec)
                    for spec, out in zip(specs, outs)]
         for codec, members in groups.items():
-            expected = [math.prod(t.shape) * np.dtype(specs[k].dtype).itemsize for k, t, _, _ in members]
-            pieces = decode_pieces([bufs[k][a:a + n] for k, _, a, n in members], codec, expected, device,
-                                   where=[t.range for _, t, _, _ in members])
-            placed.extend((results[k], raw, tile, dtypes[k])
-                          for (k, tile, _, _), raw in zip(members, pieces))  # each exactly its tile's bytes
-        _place_all(placed, device)
+            m = len(members)
+            stored = Pieces(owners, np.fromiter((k for k, _, _, _ in members), np.int64, m),
+                            np.fromiter((a for _, _, a, _ in members), np.int64, m),
+                            np.fromiter((n for _, _, _, n in members), np.int64, m))
+            expected = [math.prod(t.shape) * itemsizes[k] for k, t, _, _ in members]
+            # each decoded piece is exactly its tile's bytes (``decode_pieces`` checks)
+            placed.append((members, decode_pieces(stored, codec, expected, device,
+                                                  where=[t.range for _, t, _, _ in members])))
+        for members, pieces in placed:
+            _place_all(members, pieces, results, specs, device)
     record_fills(specs)  # pieces never written, handed out as the fill value: gpulazy.stats()["chunks_filled"]
     return results
 
@@ -105,29 +112,30 @@ def _covered(spec: ChunkSpec) -> bool:
     return int(inside) >= math.prod(spec.shape)  # tiles of a grid never overlap
 
 
-def _typed(raw: Any, dt: np.dtype, tile: Tile, device: Device) -> Any:
-    arr = _native(raw, dt, device).view(dt.newbyteorder("="))
+def _typed(raw: Any, dt: np.dtype, tile: Tile) -> Any:
+    arr = raw.view(dt.newbyteorder("="))
     if tile.order == "F":
         return arr.reshape(tile.shape[::-1]).transpose()
     return arr.reshape(tile.shape)
 
 
-def _place_all(placed: list[tuple[Any, Any, Tile, np.dtype]], device: Device) -> None:
-    """Every decoded tile (``(chunk, raw bytes, tile, dtype in the file)``) into its chunk: one
-    kernel launch on a GPU, an assignment each on the host."""
+def _place_all(members: list[tuple[int, Tile, int, int]], pieces: Pieces, results: list[Any],
+               specs: Sequence[ChunkSpec], device: Device) -> None:
+    """Every decoded tile (``members[j]``: its chunk's index and tile; ``pieces[j]``: its bytes, in
+    the file's byte order) into its chunk: one kernel launch on a GPU, an assignment each on the host."""
     from gpulazy.codecs import place
 
+    dtypes = [np.dtype(spec.dtype) for spec in specs]
+    for j, (k, _, _, _) in enumerate(members):
+        dt = dtypes[k]
+        if dt.itemsize > 1 and not dt.isnative:
+            byteswap(pieces[j], dt, device)  # in place, in the decoded buffer
     if device.is_gpu:
-        place.place_decoded([(chunk, _native(raw, dt, device), tile.shape, tile.order, tile.origin)
-                             for chunk, raw, tile, dt in placed])
+        place.place_decoded([results[k] for k, _, _, _ in members], pieces, [t.shape for _, t, _, _ in members],
+                            [t.order for _, t, _, _ in members], [t.origin for _, t, _, _ in members])
     else:
-        for chunk, raw, tile, dt in placed:
-            place.assign(chunk, _typed(raw, dt, tile, device), tile.origin)
-
-
-def _native(raw: Any, dt: np.dtype, device: Device) -> Any:
-    """``raw`` with its elements in native byte order (swapped in place where they are not)."""
-    return byteswap(raw, dt, device) if dt.itemsize > 1 and not dt.isnative else raw
+        for j, (k, tile, _, _) in enumerate(members):
+            place.assign(results[k], _typed(pieces[j], dtypes[k], tile), tile.origin)
 
 
 def stream_bound(spec: ChunkSpec) -> bool:

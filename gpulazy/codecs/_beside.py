@@ -39,6 +39,7 @@ import numpy as np
 
 from gpulazy.codecs import _split
 from gpulazy.codecs._run import _host_one, _record, cores, host_pool, size_error
+from gpulazy.codecs.pieces import Pieces
 from gpulazy.device import Device
 from gpulazy.spec import ByteRange, Codec
 
@@ -46,14 +47,15 @@ __all__ = ["CALIBRATE_BYTES", "CALIBRATE_PIECES", "CupySide", "HostDecode", "Hos
            "calibrate_host", "rounds", "size_class"]
 
 
-def beside_host(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any],
-                on_gpu: Callable[[list[Any], Codec, list[int], Device, list[Any]], list[Any]]) -> list[Any]:
-    """Step ``c`` (Deflate) over ``pieces`` (device arrays): ``on_gpu`` decodes the GPU's share
-    (nvCOMP, its own fallbacks) in the calling thread, the host's cores the rest, driven by a
-    thread of its own (``_run_on``)."""
-    if not pieces:
-        return []
-    stored = [int(p.size) for p in pieces]
+def beside_host(pieces: Sequence[Any], c: Codec, sizes: list[int], device: Device, where: list[Any],
+                on_gpu: Callable[[Pieces, Codec, list[int], Device, list[Any]], Pieces]) -> Pieces:
+    """Step ``c`` (Deflate, zstd) over ``pieces`` (on the device): ``on_gpu`` decodes the GPU's
+    share (nvCOMP, its own fallbacks) in the calling thread, the host's cores the rest, driven by
+    a thread of its own (``_run_on``)."""
+    pieces = Pieces.of(pieces)
+    if not len(pieces):
+        return pieces
+    stored = pieces.sizes.tolist()
     kind = _split.family(c) or "deflate"
     calibrate_host(pieces, c, sizes, where, device.name, kind)
     rates = _split.RECORD.rates(device.name, kind)
@@ -104,9 +106,9 @@ class _Backlog:
 _BACKLOG = _Backlog()
 
 
-def _decode(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any],
-            on_gpu: Callable[[list[Any], Codec, list[int], Device, list[Any]], list[Any]], gpu: list[int],
-            stored: list[int], kind: str, backlog: float) -> list[Any]:
+def _decode(pieces: Pieces, c: Codec, sizes: list[int], device: Device, where: list[Any],
+            on_gpu: Callable[[Pieces, Codec, list[int], Device, list[Any]], Pieces], gpu: list[int],
+            stored: list[int], kind: str, backlog: float) -> Pieces:
     """``beside_host`` once the pieces nvCOMP decodes (``gpu``) are picked."""
     picked = set(gpu)
     host = [i for i in range(len(pieces)) if i not in picked]
@@ -114,7 +116,7 @@ def _decode(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where
     share = HostShare([pieces[i] for i in host], (c,), [sizes[i] for i in host], [where[i] for i in host]) \
         if host else None
     if share is not None and not gpu:  # the host alone: no thread to hand it to
-        out_host = share.run()
+        out_host = Pieces.of(share.run())
         _record(sum(sizes), started, (c,), "host", device)
         _learn(device.name, kind, sizes, stored, [], share, 0.0, time.perf_counter() - started)
         return out_host
@@ -125,25 +127,24 @@ def _decode(pieces: list[Any], c: Codec, sizes: list[int], device: Device, where
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(cupy.cuda.get_current_stream())  # the pieces and the carved output are ordered before it
         driven = _drivers().submit(_run_on, device, ready, share)
-    out: list[Any] = [None] * len(pieces)
+    parts: list[tuple[list[int], Pieces]] = []
     gpu_seconds = 0.0
     try:
         g0 = time.perf_counter()
-        for i, arr in zip(gpu, on_gpu([pieces[i] for i in gpu], c, [sizes[i] for i in gpu], device,
-                                      [where[i] for i in gpu])):
-            out[i] = arr
+        if gpu:
+            parts.append((gpu, on_gpu(pieces.take(gpu), c, [sizes[i] for i in gpu], device,
+                                      [where[i] for i in gpu])))
         gpu_seconds = time.perf_counter() - g0
     finally:
         if driven is not None:
             concurrent.futures.wait([driven])  # even when nvCOMP raised: the host share is over
     both_done = time.perf_counter()
     if driven is not None:
-        for i, arr in zip(host, driven.result()):  # the first failing piece's error, naming its file
-            out[i] = arr
+        parts.append((host, Pieces.of(driven.result())))  # the first failing piece's error, naming its file
         _record(sum(sizes[i] for i in host), started, (c,), "host", device)
     _learn(device.name, kind, [sizes[i] for i in host], [stored[i] for i in host], [sizes[i] for i in gpu],
            share, gpu_seconds, both_done - started, backlog)
-    return out
+    return Pieces.gather(len(pieces), parts)
 
 
 #: Decoded bytes (at most ``CALIBRATE_PIECES`` pieces) that ``calibrate_host`` times.

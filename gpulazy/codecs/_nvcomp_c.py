@@ -192,7 +192,7 @@ def decompress(algorithm: str, src: Sequence[int], csizes: Sequence[int], dst: S
     table = np.empty((4, n), dtype=np.uint64)
     table[0], table[1], table[2], table[3] = src, csizes, dst, dsizes
     temp_bytes = ctypes.c_size_t(0)
-    largest, total = int(max(dsizes)), int(sum(dsizes))
+    largest, total = int(np.max(dsizes)), int(np.sum(dsizes))
     _check(getattr(lib, f"nvcompBatched{algorithm}DecompressGetTempSize")(
         n, largest, _OPTS, ctypes.byref(temp_bytes), total, stream.ptr), algorithm, "scratch size")
     with stream:  # the pool hands these to this stream's later allocations only: ordered after the call

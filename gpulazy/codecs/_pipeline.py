@@ -5,8 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from gpulazy.codecs import host
 from gpulazy.codecs._run import _host_one, _pad, _record, host_map, size_error
+from gpulazy.codecs.pieces import Pieces
 from gpulazy.device import Device
 from gpulazy.errors import LayoutError
 from gpulazy.spec import ByteRange, Codec
@@ -31,8 +34,9 @@ def check_supported(codec: Sequence[Codec] | None, path: str) -> None:
 
 
 def decode_pieces(pieces: Sequence[Any], codec: Sequence[Codec], expected: Sequence[int], device: Device, *,
-                  where: Sequence[ByteRange | None] = ()) -> list[Any]:
-    """Each stored piece decoded through ``codec`` (1-D uint8 arrays on ``device``).
+                  where: Sequence[ByteRange | None] = ()) -> Pieces:
+    """Each stored piece decoded through ``codec``: ``Pieces`` (a sequence of 1-D uint8 arrays on
+    ``device``). ``pieces``: ``Pieces`` or arrays.
 
     ``expected`` is each piece's decoded size in bytes: every piece must decode to exactly
     that many, on the host and on the GPU alike, or ``ChunkDecodeError`` names its file,
@@ -41,16 +45,17 @@ def decode_pieces(pieces: Sequence[Any], codec: Sequence[Codec], expected: Seque
     """
     where = _pad(where, len(pieces))
     if not codec:
-        out = list(pieces)
+        out = Pieces.of(pieces)
     elif device.is_gpu:
         from gpulazy.codecs import gpu
 
         out = gpu.decode_pieces(pieces, tuple(codec), expected, device, where=where)
     else:
         started = time.perf_counter()
-        out = host_map(lambda j: _host_one(j[0], codec, j[1], j[2]), list(zip(pieces, expected, where)))
+        out = Pieces.of(host_map(lambda j: _host_one(j[0], codec, j[1], j[2]), list(zip(pieces, expected, where))))
         _record(sum(expected), started, codec, "host", device)
-    for raw, want, w in zip(out, expected, where):
-        if int(raw.size) != int(want):
-            raise size_error(w, codec, int(want), int(raw.size), f"it decoded to {int(raw.size)} bytes")
+    want = np.asarray(expected, dtype=np.int64).reshape(-1)
+    for i in np.flatnonzero(out.sizes != want).tolist():
+        got = int(out.sizes[i])
+        raise size_error(where[i], codec, int(want[i]), got, f"it decoded to {got} bytes")
     return out

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.codecs._frames import FrameError
+from gpulazy.codecs.pieces import Pieces
 from gpulazy.spec import Codec
 
 __all__ = ["Header", "parse_header", "walk_streams", "unshuffle_block", "decode_checked", "handles", "decode",
@@ -380,14 +381,15 @@ def _inflate(pieces: Sequence[Any], sel: np.ndarray, streams: tuple[np.ndarray, 
         for i in sorted(bad):
             _to_host(result, i, f"a blosc {inner} stream did not decode on the GPU")
         return bad
-    views = [pieces[i][o:o + c] for i, o, c in zip(of.tolist(), offsets.tolist(), csizes.tolist())]
-    res = nvcomp.decode(views, _GPU_INNER[inner], neblock.tolist(), device_index)
+    streams = Pieces(pieces, of, offsets, csizes)
+    res = nvcomp.decode(streams, _GPU_INNER[inner], neblock.tolist(), device_index)
     held.append(res)
+    ok = np.ones(len(streams), bool)
+    ok[res.host] = False
+    pointers[sel[ok]] = res.out.ptrs[ok]
     failed: set[int] = set()
-    for k, out in enumerate(res.out):
-        if out is not None:
-            pointers[sel[k]] = out.data.ptr
-        elif int(of[k]) not in failed:
+    for k in res.host:
+        if int(of[k]) not in failed:
             failed.add(int(of[k]))
             _to_host(result, int(of[k]), f"a blosc {inner} stream: {res.why.get(k, 'not decoded')}")
     return failed

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.codecs._frames import step_sizes
+from gpulazy.codecs.pieces import Pieces
 from gpulazy.device import Device
 from gpulazy.spec import ByteRange, Codec
 
@@ -56,26 +57,26 @@ def _batch_decoder(c: Codec) -> Any:
 
 
 def decode_pieces(pieces: Sequence[Any], codec: tuple[Codec, ...], expected: Sequence[int], device: Device, *,
-                  where: Sequence[ByteRange | None] = ()) -> list[Any]:
-    """Each piece (1-D CuPy uint8) decoded through ``codec`` on ``device``, a batch per step."""
+                  where: Sequence[ByteRange | None] = ()) -> Pieces:
+    """Each piece (``Pieces``, or CuPy arrays) decoded through ``codec`` on ``device``, a batch per step."""
     from gpulazy.codecs._run import _pad
 
     from gpulazy import config
     from gpulazy.codecs._run import _record
 
     where = _pad(where, len(pieces))
-    current = [p if p.ndim == 1 and p.dtype == np.uint8 else p.reshape(-1).view(np.uint8) for p in pieces]
+    current = Pieces.of(pieces)
     if not config.get("gpu_decode"):  # asked for: every step on the host, no warning
         started = time.perf_counter()
-        current = _on_host(current, codec, list(expected), where)
-        _record(sum(int(p.size) for p in current), started, codec, "host", device)
+        current = Pieces.of(_on_host(list(current), codec, list(expected), where))
+        _record(int(current.sizes.sum()), started, codec, "host", device)
         return current
     for c, sizes in zip(codec, step_sizes(codec, expected)):
         current = _step(current, c, sizes, device, where)
     return current
 
 
-def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> list[Any]:
+def _step(pieces: Pieces, c: Codec, sizes: list[int] | None, device: Device, where: list[Any]) -> Pieces:
     from gpulazy.codecs import _split, filters
     from gpulazy.codecs._run import _record, warn_host_fallback
 
@@ -89,42 +90,50 @@ def _step(pieces: list[Any], c: Codec, sizes: list[int] | None, device: Device, 
         return _batched(decoder, pieces, c, sizes, device, where)
     if filters.handles(c):
         try:
-            out = filters.decode(pieces, c)
+            out = Pieces.of(filters.decode(list(pieces), c))
         except ValueError:  # a piece the kernel cannot take (e.g. a ragged delta): the host says why
             pass
         else:
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()  # so the recorded time is the kernel's, not its launch
-            _record(sum(int(p.size) for p in out), started, (c,), "gpu", device)
+            _record(int(out.sizes.sum()), started, (c,), "gpu", device)
             return out
     warn_host_fallback(c, device)
-    out = _on_host(pieces, c, sizes, where)
-    _record(sum(int(p.size) for p in out), started, (c,), "host", device)
+    out = Pieces.of(_on_host(list(pieces), c, sizes, where))
+    _record(int(out.sizes.sum()), started, (c,), "host", device)
     return out
 
 
-def _batched(decoder: Any, pieces: list[Any], c: Codec, sizes: list[int], device: Device, where: list[Any]
-             ) -> list[Any]:
+def _batched(decoder: Any, pieces: Pieces, c: Codec, sizes: list[int], device: Device, where: list[Any]
+             ) -> Pieces:
     """Step ``c`` over every piece in one call of its GPU batch decoder; the pieces it refuses on the host."""
+    from gpulazy.codecs import nvcomp
     from gpulazy.codecs._run import _record, warn_host_fallback
 
     started = time.perf_counter()
-    res = decoder(pieces, c, sizes, device.index)
-    out = list(res.out)
-    on_gpu = [i for i in range(len(pieces)) if out[i] is not None]
-    if on_gpu:
-        _record(sum(sizes[i] for i in on_gpu), started, (c,), "gpu", device)
+    # nvCOMP's own codecs take the batch's table; the framed ones (blosc, bitshuffle) an array a piece.
+    res = decoder(pieces if decoder is nvcomp.decode else list(pieces), c, sizes, device.index)
+    out = res.out if isinstance(res.out, Pieces) else _listed(res.out)
+    if len(res.host) < len(pieces):
+        _record(sum(sizes) - sum(sizes[i] for i in res.host), started, (c,), "gpu", device)
     if res.slow:  # e.g. blosc whose inner codec has no GPU decoder
         warn_host_fallback(c, device)
     if res.host:  # framing nvCOMP does not take, or a result that failed a check
         started = time.perf_counter()
         redo = res.host_codec or c
-        for i, arr in zip(res.host, _on_host([pieces[i] for i in res.host], redo,
-                                             [sizes[i] for i in res.host], [where[i] for i in res.host])):
-            out[i] = arr
+        out = out.replaced(res.host, _on_host([pieces[i] for i in res.host], redo, [sizes[i] for i in res.host],
+                                              [where[i] for i in res.host]))
         _record(sum(sizes[i] for i in res.host), started, (c,), "host", device)
     return out
+
+
+def _listed(arrays: list[Any]) -> Pieces:
+    """A decoder's list of pieces (``None`` where the host decodes it) as ``Pieces``."""
+    import cupy
+
+    empty = cupy.empty(0, dtype=np.uint8)
+    return Pieces.of([empty if a is None else a for a in arrays])
 
 
 def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]

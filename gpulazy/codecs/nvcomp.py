@@ -52,6 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.codecs._frames import HEAD, TAIL, ZSTD_MAGIC, FrameError, check_declared, zstd_header
+from gpulazy.codecs.pieces import Pieces
 from gpulazy.spec import Codec
 
 __all__ = ["supported", "handles", "decode", "Decoded", "ALGORITHMS", "zstd_header", "zstd_blocks_fit"]
@@ -125,11 +126,12 @@ def _after_current(stream: Any, cupy: Any) -> None:
 
 @dataclass
 class Decoded:
-    """What ``decode`` did: ``out[i]`` is piece ``i`` decoded (a CuPy uint8 array) or ``None``
-    when piece ``i`` is in ``host``: it must be decoded on the host (framing nvCOMP does not
-    take, or a result that failed a check). ``why[i]`` says why for those."""
+    """What ``decode`` did: ``out[i]`` is piece ``i`` decoded (``out``: a ``Pieces``, or a list of
+    CuPy uint8 arrays) or empty (``None`` in a list) when piece ``i`` is in ``host``: it must be
+    decoded on the host (framing nvCOMP does not take, or a result that failed a check).
+    ``why[i]`` says why for those."""
 
-    out: list[Any]
+    out: Any
     host: list[int] = field(default_factory=list)
     why: dict[int, str] = field(default_factory=dict)
     #: Pieces in ``host`` because no GPU decoder takes them (e.g. blosc with blosclz inside):
@@ -140,90 +142,127 @@ class Decoded:
 
 
 def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Decoded:
-    """Decode ``pieces`` (1-D CuPy uint8 arrays) of one codec, each to ``sizes[i]`` bytes, in one batch."""
+    """Decode ``pieces`` (``Pieces``, or 1-D CuPy uint8 arrays) of one codec, each to ``sizes[i]``
+    bytes, in one batch. Framing is checked over the batch's table (``Pieces``): an array is made
+    per piece only where its framing needs reading on the host."""
     import cupy
 
     algorithm, framing = ALGORITHMS[codec.id]
     if codec.id == "imagecodecs_deflate" and codec.get("raw"):
         framing = "raw"
-    result = Decoded([None] * len(pieces))
-    # Headless framings need no bytes on the host: skip the copy down.
-    if framing in _HEADLESS:
-        heads, tails = ([b""] * len(pieces),) * 2
-        fits = np.zeros(len(pieces), bool)
+    pieces = Pieces.of(pieces)
+    n = len(pieces)
+    want = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    result = Decoded(_unfilled(n, cupy))
+    start, stop = np.zeros(n, np.int64), pieces.sizes.copy()
+    go = np.ones(n, bool)
+    if framing in _HEADLESS:  # the stream is the whole piece: nothing to read on the host
+        heads = tails = [b""] * n
+        rest = np.flatnonzero((want <= 0) | (stop <= 0))
     else:
         ends, lengths = _gather_ends(pieces)
-        fits = _prefix_fits(ends, lengths, sizes) if framing == "lz4-numcodecs" else np.zeros(len(pieces), bool)
-        heads, tails = _as_bytes(ends, lengths, np.flatnonzero(~fits))
-    spans: list[tuple[int, int, int]] = []  # (piece, start, stop) of the bare stream
-    for i, (p, n) in enumerate(zip(pieces, sizes)):
-        if fits[i]:
-            spans.append((i, 4, int(p.size)))
-            continue
-        span, why = _frame(codec.id, framing, heads[i], tails[i], int(p.size), int(n)) if n > 0 \
+        fits = _prefix_fits(ends, lengths, want) if framing == "lz4-numcodecs" else np.zeros(n, bool)
+        start[fits] = 4
+        rest = np.flatnonzero(~fits)
+        heads, tails = _as_bytes(ends, lengths, rest)
+    for i in rest:
+        i = int(i)
+        span, why = _frame(codec.id, framing, heads[i], tails[i], int(stop[i]), int(want[i])) if want[i] > 0 \
             else (None, "empty")
         if span is None:
+            go[i] = False
             result.host.append(i)
             result.why[i] = why
         else:
-            spans.append((i, *span))
-    if not spans:
+            start[i], stop[i] = span
+    idx = np.flatnonzero(go)
+    if not len(idx):
         return result
+    outputs: list[tuple[np.ndarray, Pieces]] = []
     if framing in _LZ4_FRAMINGS:
-        spans = _lz4_spans(pieces, spans, sizes, result)
+        idx = _lz4_spans(pieces, idx, start, want, result, outputs)
     elif framing in _WALKS:
-        spans = _walk(framing, pieces, spans, heads, sizes, result)
-    if not spans:
-        return result
-    src = [pieces[i][a:b] for i, a, b in spans]
-    want = [int(sizes[i]) for i, _, _ in spans]
-    views, got, error = _run(algorithm, device_index, src, want, cupy)
-    if error is not None:  # the whole batch refused: let the host find (and name) the bad piece
-        for i, _, _ in spans:
-            result.host.append(i)
-            result.why[i] = error
-        return result
-    for (i, _, _), view, n, w in zip(spans, views, got, want):
-        if n != w:
-            result.host.append(i)
-            result.why[i] = f"nvCOMP {algorithm} decoded {n} bytes, expected {w}"
+        idx = _walk(framing, pieces, idx, heads, result)
+    if len(idx):
+        got = _run(algorithm, device_index, pieces.ptrs[idx] + start[idx].astype(np.uint64),
+                   stop[idx] - start[idx], want[idx], cupy)
+        if isinstance(got, str):  # the whole batch refused: let the host find (and name) the bad piece
+            for i in idx.tolist():
+                result.host.append(i)
+                result.why[i] = got
         else:
-            result.out[i] = view
+            decoded, ok, counts = got
+            for i, k in zip(idx[~ok].tolist(), counts[~ok].tolist()):
+                result.host.append(i)
+                result.why[i] = f"nvCOMP {algorithm} decoded {k} bytes, expected {int(want[i])}"
+            outputs.append((idx[ok], decoded.take(ok)))
+    if outputs:
+        missing = np.ones(n, bool)
+        for given, _ in outputs:
+            missing[given] = False
+        result.out = Pieces.gather(n, [(np.flatnonzero(missing), result.out.take(missing)), *outputs])
     result.host.sort()
     return result
 
 
-def _run(algorithm: str, device_index: int, src: list[Any], want: list[int], cupy: Any
-         ) -> tuple[list[Any], list[int], str | None]:
-    """Decode ``src`` in one nvCOMP call; ``(views, decoded sizes, batch error or None)``.
+def _unfilled(n: int, cupy: Any) -> Pieces:
+    """``n`` empty pieces: what ``Decoded.out`` holds for a piece not decoded (yet)."""
+    return Pieces.carved(cupy.empty(0, dtype=np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64))
+
+
+def _run(algorithm: str, device_index: int, src: np.ndarray, lengths: np.ndarray, want: np.ndarray, cupy: Any
+         ) -> tuple[Pieces, np.ndarray, np.ndarray] | str:
+    """Decode the streams at device addresses ``src`` (``lengths`` bytes, ``want`` decoded) in one
+    nvCOMP call; ``(decoded pieces, ok, bytes decoded)``, or the batch's error as a string.
 
     Into one output buffer carved per piece. A piece nvCOMP reports failing (its status: a
     garbled LZ4 or Deflate stream, or one whose output would not fit its slot, found before
-    anything is written past it) gets size -1; ``got`` otherwise holds the bytes actually
-    decoded (a truncated Deflate stream reports fewer), so callers compare it with ``want``.
+    anything is written past it) gets -1 bytes decoded; otherwise the bytes actually decoded
+    (a truncated Deflate stream reports fewer), which must be ``want``.
     """
     from gpulazy.codecs import _nvcomp_c, filters
 
     align = _nvcomp_c.alignments(algorithm)
-    src = filters.aligned(src, align.input)
+    src = np.asarray(src, dtype=np.uint64)
+    kept = None
+    bad = np.flatnonzero(src % np.uint64(max(1, align.input)))
+    if len(bad):  # misaligned streams are copied to aligned memory first (rare: an odd framing)
+        kept = filters.aligned([_span(int(src[k]), int(lengths[k])) for k in bad], align.input)
+        src = src.copy()
+        src[bad] = [a.data.ptr for a in kept]
     stream = _stream(device_index)
     _after_current(stream, cupy)
-    buf, views = filters.carve(want, max(align.output, _OUT_ALIGN))
+    step = max(align.output, _OUT_ALIGN)
+    padded = -(-np.maximum(want, 1) // step) * step
+    offsets = np.cumsum(padded) - padded
+    buf = cupy.empty(max(1, int(padded.sum())), dtype=np.uint8)
     try:
-        got, status = _nvcomp_c.decompress(algorithm, [int(p.data.ptr) for p in src], [int(p.size) for p in src],
-                                           [int(v.data.ptr) for v in views], want, stream)
+        got, status = _nvcomp_c.decompress(algorithm, src, np.asarray(lengths, np.int64),
+                                           offsets.astype(np.uint64) + np.uint64(buf.data.ptr), want, stream)
     except _nvcomp_c.NvcompError as e:  # the call refused as a whole: the host finds (and names) the bad piece
-        return [], [], str(e)
-    return views, np.where(status == 0, got, -1).tolist(), None
+        return str(e)
+    counts = np.where(np.asarray(status) == 0, np.asarray(got, np.int64), -1)
+    decoded = Pieces.carved(buf, offsets, want)
+    if kept is not None:  # held as long as the output: nvCOMP reads them on its own stream
+        decoded.owners.extend(kept)
+    return decoded, counts == want, counts
+
+
+def _span(ptr: int, nbytes: int) -> Any:
+    """``nbytes`` of device memory at ``ptr`` as a CuPy array that does not own it."""
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None)
+    return cupy.ndarray((nbytes,), dtype=np.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
 def _ends(pieces: Sequence[Any]) -> tuple[list[bytes], list[bytes]]:
     """The first ``_HEAD`` and last ``_TAIL`` bytes of every piece (fewer where it is shorter)."""
-    ends, lengths = _gather_ends(pieces)
+    ends, lengths = _gather_ends(Pieces.of(pieces))
     return _as_bytes(ends, lengths, range(len(pieces)))
 
 
-def _gather_ends(pieces: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+def _gather_ends(pieces: Pieces) -> tuple[np.ndarray, np.ndarray]:
     """``(ends, lengths)``: row ``i`` of ``ends`` holds piece ``i``'s first ``_HEAD`` bytes, then its
     last ``_TAIL`` bytes ending at the row's end; gathered by one launch on the current stream and
     brought down in one copy. Slicing every piece on the host (two CuPy views each, then a
@@ -234,10 +273,10 @@ def _gather_ends(pieces: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
     from gpulazy.codecs import filters
 
     n = len(pieces)
-    lengths = np.fromiter((p.size for p in pieces), np.int64, n)
+    lengths = pieces.sizes
     if not n:
         return np.empty((0, _HEAD + _TAIL), np.uint8), lengths
-    addresses = np.fromiter((p.data.ptr for p in pieces), np.uint64, n)
+    addresses = pieces.ptrs
     width = _HEAD + _TAIL
     ends = cupy.empty((n, width), dtype=np.uint8)
     filters.kernel("piece_ends", _ENDS)((-(-n * width // 256),), (256,), (
@@ -339,54 +378,46 @@ def zstd_blocks_fit(data: bytes, start: int, trailer: int) -> bool:
     return False
 
 
-def _walk(framing: str, pieces: Sequence[Any], spans: list, heads: list[bytes], sizes: Sequence[int],
-          result: Decoded) -> list:
-    """Spans whose zstd frame provably ends at the end of its piece (one GPU thread per piece walks it).
+def _walk(framing: str, pieces: Pieces, idx: np.ndarray, heads: list[bytes], result: Decoded) -> np.ndarray:
+    """The pieces of ``idx`` whose zstd frame provably ends at the end of the piece (one GPU thread
+    per piece walks it).
 
     nvCOMP's zstd decoder reads past a stream that is cut short (into the next piece of the read
     buffer): a frame's block headers must chain to the piece's end (less its checksum). Pieces
     that do not go to the host, which names the file. (LZ4: ``_lz4_spans``.)
     """
     why = _WALKS[framing][2]
-    layout = [zstd_header(heads[i]) for i, _, _ in spans]  # (first block, checksum bytes)
-    src = [pieces[i] for i, _, _ in spans]
-    ok = walk_ends(framing, np.array([p.data.ptr for p in src], dtype=np.uint64),
-                   np.array([int(p.size) for p in src], dtype=np.int64),
-                   np.array([a for a, _ in layout], dtype=np.int64), np.array([t for _, t in layout], dtype=np.int64))
-    keep = []
-    for (i, a, b), good in zip(spans, ok):
-        if good:
-            keep.append((i, a, b))
-        else:
-            result.host.append(i)
-            result.why[i] = why
-    return keep
+    layout = np.array([zstd_header(heads[i]) for i in idx.tolist()], dtype=np.int64).reshape(-1, 2)
+    ok = walk_ends(framing, pieces.ptrs[idx], pieces.sizes[idx], layout[:, 0], layout[:, 1])
+    for i in idx[~ok].tolist():
+        result.host.append(i)
+        result.why[i] = why
+    return idx[ok]
 
 
-def _lz4_spans(pieces: Sequence[Any], spans: list, sizes: Sequence[int], result: Decoded) -> list:
-    """Walk every LZ4 block (``gpulazy.codecs.lz4``): blocks that fail go to the host, blocks of
-    few sequences are decoded here into ``result.out``; the spans left are nvCOMP's."""
-    from gpulazy.codecs import filters, lz4
+def _lz4_spans(pieces: Pieces, idx: np.ndarray, start: np.ndarray, sizes: np.ndarray, result: Decoded,
+               outputs: list) -> np.ndarray:
+    """Walk the LZ4 block of every piece of ``idx`` (sequences from ``start``; ``gpulazy.codecs.lz4``):
+    blocks that fail go to the host, blocks of few sequences are decoded here (``(pieces,
+    decoded)`` appended to ``outputs``); returns the pieces left for nvCOMP."""
+    from gpulazy.codecs import lz4
 
-    walked = lz4.walk(np.array([pieces[i].data.ptr for i, _, _ in spans], dtype=np.uint64),
-                      np.array([int(pieces[i].size) for i, _, _ in spans], dtype=np.int64),
-                      np.array([a for _, a, _ in spans], dtype=np.int64),
-                      np.array([int(sizes[i]) for i, _, _ in spans], dtype=np.int64))
-    dense, sparse = [], []
-    for k, (span, status) in enumerate(zip(spans, walked.status)):
-        if status == lz4.BAD:
-            result.host.append(span[0])
-            result.why[span[0]] = _LZ4_BAD
-        else:
-            (sparse if status == lz4.SPARSE else dense).append(k)
-    if sparse:  # on the current stream, as the walk: inside ``own_stream``, gpulazy's
-        want = [int(sizes[spans[k][0]]) for k in sparse]
-        _, views = filters.carve(want)
-        lz4.decode_sparse(walked, np.array(sparse), np.array([v.data.ptr for v in views], dtype=np.uint64),
-                          np.array(want))
-        for k, view in zip(sparse, views):
-            result.out[spans[k][0]] = view
-    return [spans[k] for k in dense]
+    walked = lz4.walk(pieces.ptrs[idx], pieces.sizes[idx], start[idx], sizes[idx])
+    status = np.asarray(walked.status)
+    for i in idx[status == lz4.BAD].tolist():
+        result.host.append(i)
+        result.why[i] = _LZ4_BAD
+    sparse = np.flatnonzero(status == lz4.SPARSE)
+    if len(sparse):  # on the current stream, as the walk: inside ``own_stream``, gpulazy's
+        import cupy
+
+        want = sizes[idx[sparse]]
+        padded = -(-np.maximum(want, 1) // _OUT_ALIGN) * _OUT_ALIGN
+        offsets = np.cumsum(padded) - padded
+        buf = cupy.empty(max(1, int(padded.sum())), dtype=np.uint8)
+        lz4.decode_sparse(walked, sparse, offsets.astype(np.uint64) + np.uint64(buf.data.ptr), want)
+        outputs.append((idx[sparse], Pieces.carved(buf, offsets, want)))
+    return idx[status == lz4.DENSE]
 
 
 def walk_ends(framing: str, addresses: np.ndarray, lengths: np.ndarray, starts: np.ndarray, limits: np.ndarray

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from gpulazy.codecs.pieces import Pieces
+
 __all__ = ["COLS", "MAXD", "Layout", "assign", "overlap", "place", "place_decoded", "plan"]
 
 #: Most axes besides the row axis a box may have (more fall back to one assignment each).
@@ -150,27 +152,26 @@ def place(pairs: Sequence[tuple[Any, Any, Sequence[int]]]) -> None:
            lambda i: pairs[i])
 
 
-def place_decoded(items: Sequence[tuple[Any, Any, tuple[int, ...], str, Sequence[int]]]) -> None:
-    """Copy each ``(chunk, raw, shape, order, origin)``: ``raw``, contiguous decoded bytes (CuPy: the
-    pieces of ``decode_pieces`` are) holding a tile of ``shape`` in ``order`` (``"C"``/``"F"``) of
-    the chunk's dtype, into the CuPy ``chunk`` at ``origin``, in one launch on the current stream.
-    No array is made of each tile: a view and a reshape a tile cost the 2,048 tiles of a 4 GiB LZ4
-    Zarr several milliseconds of the thread that decodes (H100 host)."""
+def place_decoded(chunks: Sequence[Any], pieces: Pieces, shapes: Sequence[tuple[int, ...]], orders: Sequence[str],
+                  origins: Sequence[Sequence[int]]) -> None:
+    """Copy each decoded piece into its chunk, in one launch on the current stream: ``pieces[j]``
+    (``gpulazy.codecs.pieces``: contiguous bytes) holds a tile of ``shapes[j]`` in ``orders[j]``
+    (``"C"``/``"F"``) of the chunk's dtype, placed in the CuPy ``chunks[j]`` at ``origins[j]``.
+    Only the pieces' addresses are read: an array a tile (a view and a reshape) cost the 2,048
+    tiles of a 4 GiB LZ4 Zarr several milliseconds of the thread that decodes (H100 host)."""
     strides: dict[tuple, tuple[int, ...]] = {}
     entries = []
-    for chunk, raw, shape, order, origin in items:
-        if not raw.flags.c_contiguous:  # its address alone would not say where its bytes are
-            raise ValueError(f"a decoded tile of shape {shape} is not contiguous bytes")
+    for chunk, ptr, shape, order, origin in zip(chunks, pieces.ptrs.tolist(), shapes, orders, origins):
         key = (shape, order, chunk.itemsize)
         st = strides.get(key)
         if st is None:
             st = strides[key] = _contiguous_strides(shape, order, chunk.itemsize)
-        entries.append((chunk, raw.data.ptr, shape, st, origin))
+        entries.append((chunk, ptr, shape, st, origin))
 
-    def pair(i: int) -> tuple[Any, Any, Sequence[int]]:
-        chunk, raw, shape, order, origin = items[i]
-        flat = raw.view(chunk.dtype)
-        return chunk, flat.reshape(shape[::-1]).T if order == "F" else flat.reshape(shape), origin
+    def pair(j: int) -> tuple[Any, Any, Sequence[int]]:
+        chunk, shape = chunks[j], shapes[j]
+        typed = pieces[j].view(chunk.dtype)
+        return chunk, typed.reshape(shape[::-1]).T if orders[j] == "F" else typed.reshape(shape), origins[j]
 
     _place(entries, pair)
 

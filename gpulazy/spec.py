@@ -216,6 +216,9 @@ class ChunkSpec:
     tiles: tuple[Tile, ...] = ()
     fill_value: object = 0
     key: str = field(init=False, repr=False, compare=False)
+    #: Bytes read from files (what the backend moves): summed once, as readers ask for it per chunk
+    #: several times (grouping, buffers, submission) on the thread that submits the reads.
+    nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         h = hashlib.blake2b(digest_size=16)
@@ -228,11 +231,7 @@ class ChunkSpec:
                       repr(self.fill_value))
         h.update(repr(parts).encode())
         object.__setattr__(self, "key", h.hexdigest())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes read from files (what the backend moves)."""
-        return sum(r.nbytes for r in self.ranges)
+        object.__setattr__(self, "nbytes", sum(r.nbytes for r in self.ranges))
 
     @property
     def out_dtype(self) -> np.dtype:

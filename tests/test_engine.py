@@ -448,7 +448,7 @@ def test_a_file_kept_open_as_indexed_is_read_without_a_stat_before(tmp_path, mon
     monkeypatch.setattr(HandleCache, "acquire", lambda self, path, st=None: stats.append(path) or real(self, path, st))
     got = read(specs, backend)
     np.testing.assert_array_equal(np.concatenate(got), data)
-    assert stats == []                                               # served by HandleCache.reuse
+    assert stats == []                                               # served by HandleCache.reuse_many
 
 
 @pytest.mark.parametrize("change", ["replaced", "rewritten in place"])

@@ -101,6 +101,9 @@ def _whole(spec: ChunkSpec) -> Tile:
 
 
 def _covered(spec: ChunkSpec) -> bool:
+    if len(spec.tiles) == 1:  # most chunks (one stored piece each): no arrays to build
+        t = spec.tiles[0]
+        return t.range is not None and all(o <= 0 and o + n >= s for o, n, s in zip(t.origin, t.shape, spec.shape))
     if any(t.range is None for t in spec.tiles):
         return False
     # NumPy over the tiles at once: a generator a tile cost a 4 GiB LZ4 Zarr's 2,048 tiles a few

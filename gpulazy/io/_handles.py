@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 from gpulazy.spec import FileIdentity
 
@@ -120,31 +120,40 @@ class HandleCache:
             self._close(o)
         return h
 
-    def reuse(self, path: str, known: FileIdentity | None) -> Handle | None:
-        """The kept handle of ``path`` if it was opened on the file with identity ``known``, without a
-        stat (give it back with ``release``); else ``None``.
+    def reuse_many(self, known: Mapping[str, FileIdentity]) -> dict[str, Handle]:
+        """The kept handles of the paths of ``known`` that were opened on the file with that identity,
+        taken without a stat (give each back with ``release_many``); paths with none are left out.
 
-        For a caller that indexed ``known`` and stats the path after its read: the handle then
+        For a caller that indexed ``known`` and stats the paths after its read: a handle then
         reads the very file it indexed, and the stat after catches a file replaced or written to
         since. (A stat before the read, on the thread that submits thousands of them, cost an H100
-        host's many-file reads about a seventh of that thread's time.)
+        host's many-file reads about a seventh of that thread's time; all of a submission's
+        files are taken under one lock, as a lock a file held that thread a few more percent.)
         """
-        if known is None:
-            return None
+        out: dict[str, Handle] = {}
         with self._lock:
-            h = self._handles.get(path)
-            if h is None or h.ident[1] != known:
-                return None
-            h.refs += 1
-            self._handles.move_to_end(path)
-            return h
+            handles = self._handles
+            for path, ident in known.items():
+                h = handles.get(path)
+                if h is not None and h.ident[1] == ident:
+                    h.refs += 1
+                    handles.move_to_end(path)
+                    out[path] = h
+        return out
 
     def release(self, h: Handle) -> None:
+        self.release_many((h,))
+
+    def release_many(self, handles: Iterable[Handle]) -> None:
+        """Give handles back (one lock for all); a retired one closes when its last user gives it back."""
+        close = []
         with self._lock:
-            h.refs -= 1
-            close = h.retired and h.refs == 0
-        if close:
-            self._close(h.obj)
+            for h in handles:
+                h.refs -= 1
+                if h.retired and h.refs == 0:
+                    close.append(h.obj)
+        for obj in close:
+            self._close(obj)
 
     def _retire(self, path: str) -> Any:
         # Lock held: drop the entry; return its object if nobody uses it (the caller closes it).

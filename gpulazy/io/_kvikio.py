@@ -126,13 +126,7 @@ class KvikioBackend(Backend):
             batch.settle_all()  # KvikIO's workers use the handles and buffers until then
         self._handles.close()
 
-    def _acquire(self, path: str, held: dict[str, Any], known: FileIdentity | None = None) -> Any:
-        # A handle kept open on the file as the caller indexed it needs no stat (the caller
-        # stats the path after the read: ``HandleCache.reuse``).
-        h = self._handles.reuse(path, known)
-        if h is not None:
-            held[path] = h
-            return h
+    def _acquire(self, path: str, held: dict[str, Any]) -> Any:
         # KvikIO raises a bare RuntimeError for a missing file and opens directories;
         # check first so the error names the path and says what is wrong.
         # One stat serves these checks and the handle cache's identity check.
@@ -257,12 +251,16 @@ class _Batch:
                 except BaseException as e:
                     self._errors = [e] * len(self.jobs)
                     return
+            # Handles kept open on the files as the caller indexed them need no stat (the caller
+            # stats the paths after the read): all of them taken at once.
+            held = self._held
+            held.update(backend._handles.reuse_many(self._known))
             for j, (ranges, out, _) in enumerate(self.jobs):
                 at, dst = self._offsets[j], 0
                 ptr = None if self.staged else out.data.ptr
                 try:
                     for r in ranges:
-                        h = self._held.get(r.path) or backend._acquire(r.path, self._held, self._known.get(r.path))
+                        h = held.get(r.path) or backend._acquire(r.path, held)
                         if r.nbytes:
                             dest = (self._hview[at + dst: at + dst + r.nbytes] if self.staged
                                     else _DeviceSpan(ptr + dst, r.nbytes))  # ``out`` stays held by the job
@@ -364,8 +362,7 @@ class _Batch:
     def _close(self) -> None:
         # Lock held; every job waited for: give the handles back, record, drop the pinned buffer.
         backend = self.backend
-        for h in self._held.values():
-            backend._handles.release(h)
+        backend._handles.release_many(self._held.values())
         self._held.clear()
         self._host = self._hview = None
         self._events = [None] * len(self.jobs)

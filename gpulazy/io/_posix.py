@@ -106,14 +106,14 @@ def _open_fd(path: str) -> int:
 
 def _open_all(paths: Sequence[str], handles: HandleCache, known: Mapping[str, FileIdentity]) -> dict[str, Handle]:
     """One handle per distinct path from ``handles`` (kept ones opened on the files as ``known``
-    without a stat: ``HandleCache.reuse``); gives back what it took if one fails."""
-    held: dict[str, Handle] = {}
+    without a stat: ``HandleCache.reuse_many``); gives back what it took if one fails."""
+    held = handles.reuse_many({p: known[p] for p in paths if p in known}) if known else {}
     try:
         for path in paths:
             if path in held:
                 continue
             try:
-                held[path] = handles.reuse(path, known.get(path)) or handles.acquire(path)
+                held[path] = handles.acquire(path)
             except ChunkReadError:
                 raise
             except OSError as e:  # stat failed: missing file, no permission
@@ -125,8 +125,7 @@ def _open_all(paths: Sequence[str], handles: HandleCache, known: Mapping[str, Fi
 
 
 def _release_all(handles: HandleCache, held: dict[str, Handle]) -> None:
-    for h in held.values():
-        handles.release(h)
+    handles.release_many(held.values())
 
 
 class _Job:

@@ -219,6 +219,9 @@ class ChunkSpec:
     #: Bytes read from files (what the backend moves): summed once, as readers ask for it per chunk
     #: several times (grouping, buffers, submission) on the thread that submits the reads.
     nbytes: int = field(init=False, repr=False, compare=False)
+    #: Bytes of the decoded chunk: worked out once, as the cache and the read-ahead plan ask for
+    #: it for every chunk they consider, several times a task.
+    out_nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         h = hashlib.blake2b(digest_size=16)
@@ -232,16 +235,12 @@ class ChunkSpec:
         h.update(repr(parts).encode())
         object.__setattr__(self, "key", h.hexdigest())
         object.__setattr__(self, "nbytes", sum(r.nbytes for r in self.ranges))
+        object.__setattr__(self, "out_nbytes", math.prod(self.shape) * np.dtype(self.dtype).itemsize)
 
     @property
     def out_dtype(self) -> np.dtype:
         """The dtype of the array handed out: the file's dtype in native byte order."""
         return np.dtype(self.dtype).newbyteorder("=")
-
-    @property
-    def out_nbytes(self) -> int:
-        """Bytes of the decoded chunk."""
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     @property
     def paths(self) -> tuple[str, ...]:

@@ -230,6 +230,42 @@ def test_find_reads_sees_through_low_level_fusion(tmp_path):
     assert not any(k[0] == vol.name for k, rs in seen.items() if rs)  # they were fused away
 
 
+@pytest.mark.parametrize("graph", ["fused", "legacy", "a reduction"])
+def test_the_plan_from_the_schedulers_ready_list_is_dask_orders(tmp_path, graph):
+    """``plan_graph`` takes the read tasks' order from the local scheduler's ready list when
+    every read task is in it; that order is ``dask.order``'s (and a graph whose reads are not
+    all ready is ordered by ``dask.order`` itself)."""
+    from gpulazy.prefetch import plan_graph
+    from gpulazy.prefetch.plan import ReadAhead
+
+    c = DeviceCache("16 MiB", device="cpu", name=f"test-plan-ready-{graph}")
+    try:
+        if graph == "legacy":
+            vol, _ = legacy_volume(tmp_path, n=24, rows=4, cols=64, cache_name=c.name)
+            x = vol.map_blocks(np.negative)
+        else:
+            vol, _ = make_volume(tmp_path, n=24, rows=4, cols=64, cache=c)
+            x = vol.map_blocks(np.negative) if graph == "fused" else (vol.astype("f8") ** 2).sum(axis=1)
+        seen = {}
+
+        def start_state(dsk, state):
+            seen["dsk"], seen["ready"] = dsk, list(state["ready"])
+
+        with gpulazy.prefetch(depth=4), Callback(start_state=start_state):  # the graph a prefetch sees
+            x.compute(scheduler="sync")
+        orders = []
+        for ready in (seen["ready"], None, seen["ready"][:-1]):  # the last: one read task left out
+            windows: dict = {}
+            by_task = plan_graph(seen["dsk"], ReadAhead(depth=4, only=c), windows, ready=ready)
+            orders.append(([spec.index for reads in by_task.values() for _, spec in reads],
+                           [batches for _, batches in windows.values()]))
+        reads, batches = orders[0]
+        assert len(reads) == 24 or sum(map(len, batches)) > 1  # chunk tasks, or a window's batches
+        assert orders[0] == orders[1] == orders[2]
+    finally:
+        c.close()
+
+
 # --------------------------------------------------------------------------- local scheduler
 
 

@@ -7,7 +7,8 @@ tested without a scheduler:
   list of chunk reads, a depth and a byte budget; ``find_reads`` finds chunk reads in
   dask tasks; ``ReadAhead`` wires a plan to the caches;
 - ``local``: ``prefetch`` adapts it to Dask's local schedulers (``threads`` and
-  ``sync``) as a scheduler callback: the run order comes from ``dask.order.order``;
+  ``sync``) as a scheduler callback: the run order is ``dask.order.order``'s (read from the
+  scheduler's ready list when the reads are the graph's roots);
 - ``distributed``: ``prefetch.install(client)`` adapts it to ``dask.distributed`` with a
   worker plugin that plans from the tasks the scheduler has handed that worker.
 

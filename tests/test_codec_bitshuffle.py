@@ -214,6 +214,8 @@ def test_gpu_garbled_chunk_raises_naming_it_and_keeps_the_gpu_usable(tmp_path, d
 def test_gpu_walk_kernel_agrees_with_its_host_twin(tmp_path):
     import cupy
 
+    from gpulazy.codecs.pieces import Pieces
+
     blob, size, _ = one_chunk(tmp_path)
     h = bitshuffle.parse_header(blob[:12], len(blob), size, 2)
     rng = np.random.default_rng(1)
@@ -222,7 +224,7 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin(tmp_path):
         for _ in range(int(rng.integers(0, 3))):
             bad[int(rng.integers(12, len(bad)))] = int(rng.integers(0, 256))
         bad = bytes(bad)
-        offsets, sizes, ok = bitshuffle._walk([cupy.asarray(np.frombuffer(bad, np.uint8))], {0: h})
+        offsets, sizes, ok = bitshuffle._walk(Pieces.of([cupy.asarray(np.frombuffer(bad, np.uint8))]), {0: h})
         try:
             want = bitshuffle.walk_blocks(bad, h)
         except FrameError:

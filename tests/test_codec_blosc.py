@@ -377,6 +377,7 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin():
     import cupy
 
     from gpulazy.codecs.blosc import _walk, block_table
+    from gpulazy.codecs.pieces import Pieces
 
     rng = np.random.default_rng(5)
     raw = data_for(100_000, 4, seed=2)
@@ -389,7 +390,7 @@ def test_gpu_walk_kernel_agrees_with_its_host_twin():
             blob[at] = int(rng.integers(0, 256))
         blob = bytes(blob)
         piece = cupy.asarray(np.frombuffer(blob, np.uint8))
-        offsets, sizes, ok = _walk([piece], {0: h}, block_table({0: h}))
+        offsets, sizes, ok = _walk(Pieces.of([piece]), {0: h}, block_table({0: h}))
         try:
             want = blosc.walk_streams(blob, h)
         except FrameError:

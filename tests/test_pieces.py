@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpulazy.codecs import _covered
-from gpulazy.codecs.pieces import Pieces, address
+from gpulazy.codecs.pieces import Pieces, address, aligned_starts
 from gpulazy.spec import ByteRange, ChunkSpec, Tile
 
 
@@ -31,6 +31,34 @@ def test_pieces_taken_apart_and_gathered_are_the_same_bytes(sizes, data):
     for i, a in zip(swap, new):
         want[i] = a.tobytes()
     assert [p.tobytes() for p in replaced] == want and len(pieces) == len(sizes)  # ``pieces`` itself unchanged
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=40),
+       st.one_of(st.sampled_from([1, 4, 8, 256, 512, 4096]), st.integers(1, 1000)))
+def test_aligned_starts_pack_every_slot_in_order_inside_the_buffer(sizes, align):
+    starts, total = aligned_starts(sizes, align)
+    sizes = np.array(sizes, np.int64)
+    assert starts.dtype == np.int64 and len(starts) == len(sizes)
+    assert (starts % align == 0).all() and total % align == 0
+    if not len(sizes):
+        assert total == 0
+        return
+    assert starts[0] == 0
+    ends = starts + sizes
+    assert (ends[:-1] <= starts[1:]).all()  # in order, no two slots overlap
+    assert (starts[1:] - ends[:-1] < align).all()  # packed: no more padding than alignment needs
+    assert ends[-1] <= total < ends[-1] + align  # the buffer covers the last slot, no more
+
+
+def test_spans_within_pieces_filled_into_a_batch_are_those_bytes():
+    arrays = [np.arange(10, dtype=np.uint8), np.arange(20, 30, dtype=np.uint8)]
+    pieces = Pieces.of(arrays)
+    spans = pieces.within([1, 0], [2, 5], [3, 0])
+    assert [a.tolist() for a in spans] == [[22, 23, 24], []]
+    assert spans.ptrs.tolist() == [address(arrays[1]) + 2, address(arrays[0]) + 5]
+    batch = Pieces.of([np.full(2, 9, np.uint8), np.full(1, 8, np.uint8), np.full(3, 7, np.uint8)])
+    assert [a.tolist() for a in batch.filled([([2, 0], spans)])] == [[], [8], [22, 23, 24]]
 
 
 @settings(max_examples=80, deadline=None)

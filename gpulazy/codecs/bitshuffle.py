@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpulazy.codecs._frames import FrameError
+from gpulazy.codecs.pieces import Pieces
 from gpulazy.spec import Codec
 
 __all__ = ["Header", "parse_header", "walk_blocks", "decode_host", "handles", "decode", "block_table", "unshuffle_rows",
@@ -171,17 +172,21 @@ def handles(c: Codec) -> bool:
 
 
 def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Any:
-    """``pieces`` (1-D CuPy uint8) each to ``sizes[i]`` bytes: an ``nvcomp.Decoded``; pieces
-    that fail a check or whose LZ4 nvCOMP refuses are in ``host`` (``decode_host`` says why)."""
+    """``pieces`` (``Pieces``, or 1-D CuPy uint8 arrays) each to ``sizes[i]`` bytes: an
+    ``nvcomp.Decoded``; pieces that fail a check or whose LZ4 nvCOMP refuses are in ``host``
+    (``decode_host`` says why)."""
+    import cupy
+
     from gpulazy.codecs import nvcomp
 
-    result = nvcomp.Decoded([None] * len(pieces))
+    pieces = Pieces.of(pieces)
+    result = nvcomp.Decoded(nvcomp._unfilled(len(pieces), cupy))
     es = int(codec.get("elementsize", 1))
     heads, _ = nvcomp._ends(pieces)
     plans: dict[int, Header] = {}
-    for i, (p, n) in enumerate(zip(pieces, sizes)):
+    for i, n in enumerate(sizes):
         try:
-            plans[i] = parse_header(heads[i], int(p.size), int(n), es)
+            plans[i] = parse_header(heads[i], int(pieces.sizes[i]), int(n), es)
         except FrameError as e:
             _to_host(result, i, str(e))
     if plans:
@@ -207,11 +212,10 @@ def block_table(plans: dict[int, Header]) -> np.ndarray:
     return t.astype(np.int64).reshape(-1, 3)
 
 
-def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any, device_index: int) -> None:
+def _decode_planned(pieces: Pieces, plans: dict[int, Header], result: Any, device_index: int) -> None:
     """Walk, every LZ4 block of the batch in one nvCOMP call, bit-unshuffle in one launch.
 
-    The plan is NumPy tables over the batch's blocks (no Python per block) but for the CuPy
-    view of each block that nvCOMP's list-of-arrays call takes.
+    The plan is NumPy tables over the batch's blocks (no Python per block).
     """
     from gpulazy.codecs import _unshuffle, filters, nvcomp
     from gpulazy.codecs.blosc import by_piece
@@ -223,8 +227,7 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     for i in bad:
         _to_host(result, i, "bitshuffle block sizes do not fit the piece (truncated or corrupt)")
     sel = np.flatnonzero(by_piece(len(pieces), dict.fromkeys(bad, 1))[piece] == 0)
-    starts = np.array([p.data.ptr for p in pieces], dtype=np.uint64)
-    decoded, at, good = nvcomp.decode_table(starts[piece[sel]] + offsets[sel].astype(np.uint64), csizes[sel],
+    decoded, at, good = nvcomp.decode_table(pieces.ptrs[piece[sel]] + offsets[sel].astype(np.uint64), csizes[sel],
                                             nbytes[sel], Codec("lz4_raw"), device_index)
     pointers = np.zeros(len(blocks), np.uint64)  # slot k: block k's decoded (still shuffled) bytes
     pointers[sel[good]] = np.uint64(decoded.data.ptr) + at[good].astype(np.uint64)
@@ -234,11 +237,10 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     kept = [i for i in plans if i not in failed and i not in bad]
     if not kept:
         return
-    _, outs = filters.carve([plans[i].nbytes for i in kept])
-    for i, out in zip(kept, outs):
-        result.out[i] = out
-    tails = {i: pieces[i].data.ptr + int(pieces[i].size) - plans[i].leftover for i in kept}
-    rows, stored = unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)}, tails)
+    out = filters.slots([plans[i].nbytes for i in kept])
+    result.out = result.out.filled([(kept, out)])
+    tails = {i: int(pieces.ptrs[i]) + int(pieces.sizes[i]) - plans[i].leftover for i in kept}
+    rows, stored = unshuffle_rows(plans, blocks, dict(zip(kept, out.ptrs.tolist())), tails)
     _unshuffle.unshuffle_blocks(rows, np.concatenate([pointers, stored]))
 
 
@@ -266,7 +268,7 @@ def unshuffle_rows(plans: dict[int, Header], blocks: np.ndarray, dest: dict[int,
     return table, np.array([tails[i] for i in left], np.uint64)
 
 
-def _walk(pieces: Sequence[Any], plans: dict[int, Header]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _walk(pieces: Pieces, plans: dict[int, Header]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every block's offset and compressed size (``block_table`` order) and every planned piece's
     ok flag (``plans`` order): one thread per piece, one launch and one copy down for the batch."""
     import cupy
@@ -276,7 +278,7 @@ def _walk(pieces: Sequence[Any], plans: dict[int, Header]) -> tuple[np.ndarray, 
     order = list(plans)
     counts = np.array([plans[i].nblocks for i in order], np.int64)
     firsts = np.cumsum(counts) - counts
-    rows = np.array([[pieces[i].data.ptr, int(pieces[i].size) - plans[i].leftover, plans[i].nblocks, f]
+    rows = np.array([[int(pieces.ptrs[i]), int(pieces.sizes[i]) - plans[i].leftover, plans[i].nblocks, f]
                      for i, f in zip(order, firsts.tolist())], dtype=np.int64)
     total = int(counts.sum())
     found = cupy.zeros(2 * total + len(order), dtype=np.int64)

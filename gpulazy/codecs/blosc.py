@@ -262,30 +262,38 @@ def handles(c: Codec) -> bool:
 
 
 def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Any:
-    """Blosc ``pieces`` (1-D CuPy uint8), each to ``sizes[i]`` bytes: an ``nvcomp.Decoded``.
+    """Blosc ``pieces`` (``Pieces``, or 1-D CuPy uint8 arrays), each to ``sizes[i]`` bytes: an
+    ``nvcomp.Decoded``.
 
     Pieces whose header or streams fail a check, whose inner codec has no GPU decoder
     (``Decoded.slow``), or whose streams nvCOMP refuses are listed in ``Decoded.host``.
     """
+    import cupy
+
     from gpulazy.codecs import nvcomp
 
+    pieces = Pieces.of(pieces)
     # What the GPU refuses, the host decodes with every stream checked (``decode_checked``).
-    result = nvcomp.Decoded([None] * len(pieces), host_codec=Codec("blosc_checked"))
+    result = nvcomp.Decoded(nvcomp._unfilled(len(pieces), cupy), host_codec=Codec("blosc_checked"))
     heads, _ = nvcomp._ends(pieces)
     plans: dict[int, Header] = {}
-    for i, (p, n) in enumerate(zip(pieces, sizes)):
+    stored: dict[int, int] = {}  # piece -> its bytes, stored as they are after the header
+    for i, n in enumerate(sizes):
         try:
-            h = parse_header(heads[i], int(p.size), int(n))
+            h = parse_header(heads[i], int(pieces.sizes[i]), int(n))
         except FrameError as e:
             _to_host(result, i, str(e))
             continue
         if h.nbytes == 0 or h.memcpyed:
-            result.out[i] = p[HEADER:HEADER + h.nbytes]  # stored as is: a view, exactly nbytes long
+            stored[i] = h.nbytes
         elif h.codec not in _GPU_INNER or h.codec == "zstd" and "zstd" not in nvcomp.supported():
             _to_host(result, i, f"blosc inner codec {h.codec!r} has no GPU decoder here")
             result.slow.append(i)
         else:
             plans[i] = h
+    if stored:  # a span of the piece, exactly nbytes long: no copy
+        at = list(stored)
+        result.out = result.out.filled([(at, pieces.within(at, HEADER, list(stored.values())))])
     if plans:
         _decode_planned(pieces, plans, result, device_index)
     result.host.sort()
@@ -297,11 +305,10 @@ def _to_host(result: Any, i: int, why: str) -> None:
     result.why[i] = why
 
 
-def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any, device_index: int) -> None:
+def _decode_planned(pieces: Pieces, plans: dict[int, Header], result: Any, device_index: int) -> None:
     """Walk, decompress in one nvCOMP call per inner codec, unshuffle in one launch.
 
-    The plan is NumPy tables over every block and stream of the batch (no Python per block);
-    what is left per stream is the CuPy view that nvCOMP's list-of-arrays call takes.
+    The plan is NumPy tables over every block and stream of the batch (no Python per block).
     """
     from gpulazy.codecs import _unshuffle, filters
 
@@ -315,7 +322,7 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     of = np.repeat(piece, streams)
     neblock = np.repeat(bsize // streams, streams)
     raw = csizes == neblock
-    ptr = by_piece(len(pieces), {i: pieces[i].data.ptr for i in plans})
+    ptr = pieces.ptrs.astype(np.int64)
     pointers = np.zeros(len(of), np.uint64)
     pointers[raw] = (ptr[of[raw]] + offsets[raw]).astype(np.uint64)
     # Each piece's inner codec as a number (0: none, its blocks refused by the walk).
@@ -329,10 +336,9 @@ def _decode_planned(pieces: Sequence[Any], plans: dict[int, Header], result: Any
     kept = sorted(set(plans) - set(bad) - failed)
     if not kept:
         return
-    _, outs = filters.carve([plans[i].nbytes for i in kept])
-    for i, out in zip(kept, outs):
-        result.out[i] = out
-    rows = unshuffle_rows(plans, blocks, {i: out.data.ptr for i, out in zip(kept, outs)})
+    out = filters.slots([plans[i].nbytes for i in kept])
+    result.out = result.out.filled([(kept, out)])
+    rows = unshuffle_rows(plans, blocks, dict(zip(kept, out.ptrs.tolist())))
     _unshuffle.unshuffle_blocks(rows, pointers)
 
 
@@ -361,7 +367,7 @@ def by_piece(n: int, values: dict[int, int]) -> np.ndarray:
     return out
 
 
-def _inflate(pieces: Sequence[Any], sel: np.ndarray, streams: tuple[np.ndarray, ...], inner: str, device_index: int,
+def _inflate(pieces: Pieces, sel: np.ndarray, streams: tuple[np.ndarray, ...], inner: str, device_index: int,
              pointers: np.ndarray, result: Any, held: list) -> set[int]:
     """Streams ``sel`` (all of inner codec ``inner``) through nvCOMP in one call: their decoded
     addresses into ``pointers``, nvCOMP's result kept in ``held``. Returns the pieces with a
@@ -372,8 +378,7 @@ def _inflate(pieces: Sequence[Any], sel: np.ndarray, streams: tuple[np.ndarray, 
         return set()
     of, offsets, csizes, neblock = (a[sel] for a in streams)
     if _GPU_INNER[inner].id == "lz4_raw":  # bare LZ4 blocks: one table, no Python per stream
-        starts = np.array([p.data.ptr for p in pieces], dtype=np.uint64)
-        decoded, at, good = nvcomp.decode_table(starts[of] + offsets.astype(np.uint64), csizes, neblock,
+        decoded, at, good = nvcomp.decode_table(pieces.ptrs[of] + offsets.astype(np.uint64), csizes, neblock,
                                                 _GPU_INNER[inner], device_index)
         held.append(decoded)
         pointers[sel[good]] = np.uint64(decoded.data.ptr) + at[good].astype(np.uint64)
@@ -381,7 +386,7 @@ def _inflate(pieces: Sequence[Any], sel: np.ndarray, streams: tuple[np.ndarray, 
         for i in sorted(bad):
             _to_host(result, i, f"a blosc {inner} stream did not decode on the GPU")
         return bad
-    streams = Pieces(pieces, of, offsets, csizes)
+    streams = pieces.within(of, offsets, csizes)
     res = nvcomp.decode(streams, _GPU_INNER[inner], neblock.tolist(), device_index)
     held.append(res)
     ok = np.ones(len(streams), bool)
@@ -410,7 +415,7 @@ def block_table(plans: dict[int, Header]) -> np.ndarray:
     return np.column_stack([t, np.cumsum(t[:, 3]) - t[:, 3]]).astype(np.int64)
 
 
-def _walk(pieces: Sequence[Any], plans: dict[int, Header], blocks: np.ndarray
+def _walk(pieces: Pieces, plans: dict[int, Header], blocks: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every stream's offset and size and every block's ok flag (``blocks``: ``block_table(plans)``):
     one kernel launch, one copy down for the batch."""
@@ -421,7 +426,7 @@ def _walk(pieces: Sequence[Any], plans: dict[int, Header], blocks: np.ndarray
     n = len(blocks)
     piece, index, _, streams, first = blocks.T
     nstreams = int(streams.sum())
-    ptr = by_piece(len(pieces), {i: pieces[i].data.ptr for i in plans})
+    ptr = pieces.ptrs.astype(np.int64)
     cbytes = by_piece(len(pieces), {i: h.cbytes for i, h in plans.items()})
     nblocks = by_piece(len(pieces), {i: h.nblocks for i, h in plans.items()})
     table = np.column_stack([ptr[piece], cbytes[piece], index, nblocks[piece], streams, first]).astype(np.int64)

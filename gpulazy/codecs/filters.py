@@ -29,9 +29,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gpulazy.codecs.pieces import Pieces, aligned_starts
 from gpulazy.spec import Codec
 
-__all__ = ["supported", "handles", "decode", "aligned", "carve", "pointer_table", "kernel", "IDS"]
+__all__ = ["supported", "handles", "decode", "aligned", "carve", "slots", "pointer_table", "kernel", "IDS"]
 
 IDS = frozenset({"shuffle", "delta", "crc32c"})
 _MAX_Y = 65535  # CUDA's grid y limit: batches larger than this launch in parts
@@ -153,16 +154,20 @@ def _delta(pieces: Sequence[Any], c: Codec) -> list[Any]:
 
 # -- launching ----------------------------------------------------------------------------
 
-def carve(sizes: Sequence[int], align: int = 256) -> tuple[Any, list[Any]]:
-    """One device buffer carved into pieces of ``sizes`` bytes, each start ``align``-aligned."""
+def slots(sizes: Sequence[int], align: int = 256) -> Pieces:
+    """One device buffer carved into slots of ``sizes`` bytes, each start ``align``-aligned
+    (``aligned_starts``), as ``Pieces``: where a batch's decoded pieces go."""
     import cupy
 
-    offsets, at = [], 0
-    for n in sizes:
-        offsets.append(at)
-        at += -(-int(n) // align) * align
-    buf = cupy.empty(max(at, 1), dtype=np.uint8)
-    return buf, [buf[o:o + int(n)] for o, n in zip(offsets, sizes)]
+    starts, total = aligned_starts(sizes, align)
+    # At least a byte: CuPy gives an empty buffer no address, and the slots' addresses come from it.
+    return Pieces.carved(cupy.empty(max(total, 1), dtype=np.uint8), starts, sizes)
+
+
+def carve(sizes: Sequence[int], align: int = 256) -> tuple[Any, list[Any]]:
+    """``slots`` as its buffer and a view per slot."""
+    out = slots(sizes, align)
+    return out.owners[0], list(out)
 
 
 def pointer_table(arrays: Sequence[Any]) -> Any:

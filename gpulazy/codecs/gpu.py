@@ -44,7 +44,8 @@ def _filters() -> Any:
 
 
 def _batch_decoder(c: Codec) -> Any:
-    """The function decoding a batch of ``c`` pieces on the GPU (``nvcomp.decode``'s signature), or None."""
+    """The function decoding a batch of ``c`` pieces on the GPU (``nvcomp.decode``'s signature, ``Pieces``
+    in and out), or None."""
     from gpulazy.codecs import bitshuffle, blosc, nvcomp
 
     if nvcomp.handles(c):
@@ -108,13 +109,11 @@ def _step(pieces: Pieces, c: Codec, sizes: list[int] | None, device: Device, whe
 def _batched(decoder: Any, pieces: Pieces, c: Codec, sizes: list[int], device: Device, where: list[Any]
              ) -> Pieces:
     """Step ``c`` over every piece in one call of its GPU batch decoder; the pieces it refuses on the host."""
-    from gpulazy.codecs import nvcomp
     from gpulazy.codecs._run import _record, warn_host_fallback
 
     started = time.perf_counter()
-    # nvCOMP's own codecs take the batch's table; the framed ones (blosc, bitshuffle) an array a piece.
-    res = decoder(pieces if decoder is nvcomp.decode else list(pieces), c, sizes, device.index)
-    out = res.out if isinstance(res.out, Pieces) else _listed(res.out)
+    res = decoder(pieces, c, sizes, device.index)
+    out = res.out
     if len(res.host) < len(pieces):
         _record(sum(sizes) - sum(sizes[i] for i in res.host), started, (c,), "gpu", device)
     if res.slow:  # e.g. blosc whose inner codec has no GPU decoder
@@ -126,14 +125,6 @@ def _batched(decoder: Any, pieces: Pieces, c: Codec, sizes: list[int], device: D
                                               [where[i] for i in res.host]))
         _record(sum(sizes[i] for i in res.host), started, (c,), "host", device)
     return out
-
-
-def _listed(arrays: list[Any]) -> Pieces:
-    """A decoder's list of pieces (``None`` where the host decodes it) as ``Pieces``."""
-    import cupy
-
-    empty = cupy.empty(0, dtype=np.uint8)
-    return Pieces.of([empty if a is None else a for a in arrays])
 
 
 def _on_host(pieces: list[Any], c: Codec | tuple[Codec, ...], sizes: list[int] | None, where: list[Any]

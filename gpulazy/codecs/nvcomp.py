@@ -126,10 +126,9 @@ def _after_current(stream: Any, cupy: Any) -> None:
 
 @dataclass
 class Decoded:
-    """What ``decode`` did: ``out[i]`` is piece ``i`` decoded (``out``: a ``Pieces``, or a list of
-    CuPy uint8 arrays) or empty (``None`` in a list) when piece ``i`` is in ``host``: it must be
-    decoded on the host (framing nvCOMP does not take, or a result that failed a check).
-    ``why[i]`` says why for those."""
+    """What ``decode`` did: ``out[i]`` (``out``: a ``Pieces``) is piece ``i`` decoded, or empty when
+    piece ``i`` is in ``host``: it must be decoded on the host (framing nvCOMP does not take, or
+    a result that failed a check). ``why[i]`` says why for those."""
 
     out: Any
     host: list[int] = field(default_factory=list)
@@ -197,10 +196,7 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
                 result.why[i] = f"nvCOMP {algorithm} decoded {k} bytes, expected {int(want[i])}"
             outputs.append((idx[ok], decoded.take(ok)))
     if outputs:
-        missing = np.ones(n, bool)
-        for given, _ in outputs:
-            missing[given] = False
-        result.out = Pieces.gather(n, [(np.flatnonzero(missing), result.out.take(missing)), *outputs])
+        result.out = result.out.filled(outputs)
     result.host.sort()
     return result
 
@@ -232,17 +228,12 @@ def _run(algorithm: str, device_index: int, src: np.ndarray, lengths: np.ndarray
         src[bad] = [a.data.ptr for a in kept]
     stream = _stream(device_index)
     _after_current(stream, cupy)
-    step = max(align.output, _OUT_ALIGN)
-    padded = -(-np.maximum(want, 1) // step) * step
-    offsets = np.cumsum(padded) - padded
-    buf = cupy.empty(max(1, int(padded.sum())), dtype=np.uint8)
+    decoded = filters.slots(want, max(align.output, _OUT_ALIGN))
     try:
-        got, status = _nvcomp_c.decompress(algorithm, src, np.asarray(lengths, np.int64),
-                                           offsets.astype(np.uint64) + np.uint64(buf.data.ptr), want, stream)
+        got, status = _nvcomp_c.decompress(algorithm, src, np.asarray(lengths, np.int64), decoded.ptrs, want, stream)
     except _nvcomp_c.NvcompError as e:  # the call refused as a whole: the host finds (and names) the bad piece
         return str(e)
     counts = np.where(np.asarray(status) == 0, np.asarray(got, np.int64), -1)
-    decoded = Pieces.carved(buf, offsets, want)
     if kept is not None:  # held as long as the output: nvCOMP reads them on its own stream
         decoded.owners.extend(kept)
     return decoded, counts == want, counts
@@ -409,14 +400,12 @@ def _lz4_spans(pieces: Pieces, idx: np.ndarray, start: np.ndarray, sizes: np.nda
         result.why[i] = _LZ4_BAD
     sparse = np.flatnonzero(status == lz4.SPARSE)
     if len(sparse):  # on the current stream, as the walk: inside ``own_stream``, gpulazy's
-        import cupy
+        from gpulazy.codecs import filters
 
         want = sizes[idx[sparse]]
-        padded = -(-np.maximum(want, 1) // _OUT_ALIGN) * _OUT_ALIGN
-        offsets = np.cumsum(padded) - padded
-        buf = cupy.empty(max(1, int(padded.sum())), dtype=np.uint8)
-        lz4.decode_sparse(walked, sparse, offsets.astype(np.uint64) + np.uint64(buf.data.ptr), want)
-        outputs.append((idx[sparse], Pieces.carved(buf, offsets, want)))
+        decoded = filters.slots(want, _OUT_ALIGN)
+        lz4.decode_sparse(walked, sparse, decoded.ptrs, want)
+        outputs.append((idx[sparse], decoded))
     return idx[status == lz4.DENSE]
 
 
@@ -468,7 +457,7 @@ def decode_table(addresses: np.ndarray, csizes: np.ndarray, dsizes: np.ndarray, 
     offsets = np.zeros(len(addresses), dtype=np.int64)
     if not ok.any():
         return cupy.empty(1, dtype=np.uint8), offsets, ok
-    from gpulazy.codecs import _nvcomp_c
+    from gpulazy.codecs import _nvcomp_c, filters
 
     align = _nvcomp_c.alignments(algorithm)
     sel = np.flatnonzero(ok)
@@ -476,15 +465,12 @@ def decode_table(addresses: np.ndarray, csizes: np.ndarray, dsizes: np.ndarray, 
     sel = np.flatnonzero(ok)
     if not len(sel):
         return cupy.empty(1, dtype=np.uint8), offsets, ok
-    step = max(_OUT_ALIGN, align.output)
-    padded = -(-dsizes[sel] // step) * step
-    offsets[sel] = np.concatenate([[0], np.cumsum(padded)[:-1]])
-    out = cupy.empty(int(padded.sum()), dtype=np.uint8)
+    decoded = filters.slots(dsizes[sel], max(_OUT_ALIGN, align.output))
+    out, offsets[sel] = decoded.owners[0], decoded.starts
     stream = _stream(device_index)
     _after_current(stream, cupy)
     try:
-        got, status = _nvcomp_c.decompress(algorithm, addresses[sel], csizes[sel], offsets[sel] + out.data.ptr,
-                                           dsizes[sel], stream)
+        got, status = _nvcomp_c.decompress(algorithm, addresses[sel], csizes[sel], decoded.ptrs, dsizes[sel], stream)
     except _nvcomp_c.NvcompError:  # the call refused as a whole: every piece to the host
         ok[sel] = False
         return out, offsets, ok

@@ -9,7 +9,7 @@ and the reads' own Python on other threads, that time holds the GIL the whole re
 ``Pieces`` holds the arrays that own the memory (``owners``, 1-D uint8, on the host or a GPU)
 and, per piece, NumPy columns: which owner, where in it the piece starts, how many bytes. The
 pieces' addresses come from the owners' at once (``ptrs``); an array of one piece is made only
-where a step asks for it (``pieces[i]``: the host decoders, the Blosc framing), as before.
+where a step asks for it (``pieces[i]``: the host decoders), as before.
 
 >>> import numpy as np
 >>> p = Pieces.of([np.arange(4, dtype=np.uint8), np.arange(3, dtype=np.uint8)])
@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-__all__ = ["Pieces", "address", "flat"]
+__all__ = ["Pieces", "address", "aligned_starts", "flat"]
 
 
 def address(a: Any) -> int:
@@ -45,6 +45,16 @@ def flat(a: Any) -> Any:
     if not a.flags.c_contiguous:
         a = a.copy()
     return a.reshape(-1).view(np.uint8)
+
+
+def aligned_starts(sizes: Any, align: int) -> tuple[np.ndarray, int]:
+    """Where pieces of ``sizes`` bytes start when packed in order into one buffer, each start a
+    multiple of ``align`` (int64), and the bytes that buffer spans. An empty piece takes no room:
+    it starts where the next one does."""
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    padded = -(-sizes // align) * align
+    ends = np.cumsum(padded)
+    return ends - padded, int(ends[-1]) if len(ends) else 0
 
 
 class Pieces(Sequence):
@@ -102,6 +112,18 @@ class Pieces(Sequence):
         if self._ptrs is not None:
             out._ptrs = self._ptrs[idx]
         return out
+
+    def within(self, idx: Any, offsets: Any, sizes: Any) -> Pieces:
+        """Spans of these pieces: span ``k`` is ``sizes[k]`` bytes from ``offsets[k]`` into piece ``idx[k]``."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return Pieces(self.owners, self.owner[idx], self.starts[idx] + np.asarray(offsets, dtype=np.int64), sizes)
+
+    def filled(self, parts: Sequence[tuple[Any, Pieces]]) -> Pieces:
+        """These pieces with those of ``parts`` (each ``(indices, pieces)``, as ``gather``) in their places."""
+        keep = np.ones(len(self), bool)
+        for idx, _ in parts:
+            keep[np.asarray(idx, dtype=np.int64)] = False
+        return Pieces.gather(len(self), [(np.flatnonzero(keep), self.take(keep)), *parts])
 
     def replaced(self, idx: Sequence[int], arrays: Sequence[Any]) -> Pieces:
         """These pieces with piece ``idx[j]`` replaced by ``arrays[j]`` (each a piece of its own)."""

@@ -98,9 +98,6 @@ def test_a_consumer_on_another_thread_and_stream_sees_complete_chunks(planes):
         assert sums["got"] == [int(d.astype(np.int64).sum()) for d in data]
 
 
-@pytest.mark.xfail(strict=False, reason="on the H100 at 325f8e1 Device.synchronize, called after a fast-path "
-                   "compute, returned only after a 2 s legacy-stream kernel, while the same call after batched "
-                   "reads (test above) did not wait; cause not found yet")
 def test_derived_compute_and_device_synchronize_leave_streams_alone(planes):
     cp = pytest.importorskip("cupy")
     paths, data = planes

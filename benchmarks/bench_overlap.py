@@ -310,7 +310,7 @@ def measure_overlap(*, device: str, repeat: int, computes: list[str], schedulers
                                    scheduler=scheduler, repeat=repeat)
             out[f"{compute}/{scheduler}"] = {k: r[k] for k in (
                 "seconds_read", "seconds_compute", "seconds_naive", "seconds_prefetch", "ratio", "ratio_naive",
-                "hit_rate", "compute_iters")}
+                "ratio_best", "hit_rate", "compute_iters")}
     return out
 
 

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["ByteRange", "Codec", "Tile", "ChunkSpec", "FileIdentity", "file_identity", "identity_from_stat"]
+__all__ = ["ByteRange", "Codec", "Tile", "ChunkSpec", "FileIdentity", "file_identity", "identity_from_stat", "STREAMED",
+           "head_allowance"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +161,24 @@ def identity_from_stat(path: str, st: os.stat_result) -> FileIdentity:
     return FileIdentity.from_stat(path, st)
 
 
+#: Compressors whose stream decodes front to back, block by block, so a chunk's first decoded bytes
+#: come from a head of its stored bytes (``ChunkSpec.head``). zstd alone: a zlib or gzip stream
+#: ends with a checksum of every decoded byte, which a head would leave unchecked.
+STREAMED = frozenset({"zstd"})
+
+
+def head_allowance(decoded: int) -> int:
+    """Stored bytes read for a head of ``decoded`` bytes: enough for any zstd frame libzstd writes.
+
+    A block holds at most 128 KiB, and libzstd stores a block that would not shrink as is
+    (3 header bytes more), so the blocks up to the one holding the last byte asked for take
+    at most ``decoded`` + 128 KiB, plus 3 bytes a block and the frame header. A frame that
+    needs more (another encoder's) runs short, and the reader reads the whole chunk instead
+    (``gpulazy.codecs.host.HeadShort``).
+    """
+    return decoded + decoded // 128 + (129 << 10)
+
+
 def _span(ranges: tuple[ByteRange, ...], lo: int, hi: int) -> tuple[ByteRange, ...]:
     """Bytes ``[lo, hi)`` of the concatenation of ``ranges``, as ranges."""
     out, at = [], 0
@@ -297,6 +316,56 @@ class ChunkSpec:
         ranges = tuple(t.range for t in tiles if t.range is not None)
         return ChunkSpec(ranges, shape, self.dtype, "C", identity=self.identity, index=self.index,
                          tiles=tuple(tiles), fill_value=self.fill_value)
+
+    def head(self, start: int, stop: int) -> tuple[int, ChunkSpec] | None:
+        """For a read of slices ``[start, stop)`` along axis 0 that ends inside a zstd chunk: ``(first,
+        part)``, ``part`` being slices ``[first, stop)`` of the chunk as a chunk of their own, decoded
+        from heads of the stored bytes; ``None`` where that does not apply.
+
+        A compressed piece decodes from its first byte, so reading slices off the end of a
+        stored chunk costs the whole chunk; a ``STREAMED`` one decodes front to back, so a
+        head of it does: a plane near the start of a 64-plane chunk decodes from about its own
+        size of stored bytes instead of all 64. ``first`` is where the stored piece holding
+        ``start`` begins. Applies to a chunk of one stored piece, or of stored pieces (``tiles``)
+        of which those ``[start, stop)`` meets start at one plane and end after ``stop``, in C
+        order, compressed by a ``STREAMED`` codec alone (another step would need every byte: a
+        filter, a checksum). Its codec is ``Codec("head", of=..., size=...)``: the compressor and
+        a whole piece's decoded size (checked against the frame's header).
+
+        >>> c = ChunkSpec((ByteRange("a", 0, 1 << 20),), (64, 256, 256), "<u2", codec=(Codec("zstd"),))
+        >>> first, h = c.head(1, 2)
+        >>> first, h.shape, h.ranges[0].nbytes, h.codec[0].get("size") == c.out_nbytes
+        (0, (2, 256, 256), 396288, True)
+        """
+        if (self.order != "C" or not self.shape or not 0 <= start < stop < self.shape[0] or not self.codec
+                or len(self.codec) != 1 or self.codec[0].id not in STREAMED or not self.nbytes):
+            return None
+        of = self.codec[0].id
+        itemsize = np.dtype(self.dtype).itemsize
+        rest = tuple(self.shape[1:])
+        if not self.tiles:
+            decoded = self.out_nbytes // self.shape[0] * stop
+            codec = Codec.of("head", of=of, size=self.out_nbytes)
+            return 0, ChunkSpec(_span(self.ranges, 0, min(self.nbytes, head_allowance(decoded))), (stop,) + rest,
+                                self.dtype, "C", (codec,), identity=self.identity, index=self.index,
+                                fill_value=self.fill_value)
+        met = [t for t in self.tiles if t.origin[0] < stop and t.origin[0] + t.shape[0] > start]
+        shapes = {t.shape for t in met}
+        first = min(t.origin[0] for t in met)
+        if len(shapes) != 1 or any(t.origin[0] != first or t.order != "C" for t in met):
+            return None
+        shape = shapes.pop()
+        keep = stop - first
+        if keep >= shape[0]:
+            return None  # the stored pieces are whole
+        decoded = math.prod(shape[1:]) * itemsize * keep
+        tiles = tuple(Tile(None if t.range is None else ByteRange(t.range.path, t.range.offset,
+                                                                  min(t.range.nbytes, head_allowance(decoded))),
+                           (keep,) + shape[1:], (0,) + tuple(t.origin[1:]), "C") for t in met)
+        codec = Codec.of("head", of=of, size=math.prod(shape) * itemsize)
+        return first, ChunkSpec(tuple(t.range for t in tiles if t.range is not None), (keep,) + rest, self.dtype,
+                                "C", (codec,), identity=self.identity, index=self.index, tiles=tiles,
+                                fill_value=self.fill_value)
 
     @property
     def needs_byteswap(self) -> bool:

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import gpulazy
+import gpulazy.spec
 from gpulazy.errors import ChunkReadError
+from gpulazy.spec import ByteRange, ChunkSpec, Codec
 
 from conftest import to_host, zstd_zarr
 
@@ -364,3 +366,104 @@ def test_a_reduction_after_astype_equals_numpy_on_the_cast_array(tmp_path_factor
     got = r.compute()
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# -- the first planes of a zstd chunk: decoded alone, from a head of its bytes -------------------
+
+def _zstd_vol(tmp_path, data, chunks, device="cpu", checksum=False, gathered=False):
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    p = str(tmp_path / "z.zarr")
+    z = zarr.create_array(p, shape=data.shape, chunks=chunks, dtype=data.dtype,
+                          compressors=ZstdCodec(level=1, checksum=checksum))
+    z[...] = data
+    # gathered: the default dask chunks, unions of stored chunks (each a tile of one array chunk)
+    return p, gpulazy.from_files(p, device=device, cache=False, chunks=None if gathered else chunks)
+
+
+def _read(vol, box):
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    got = to_host(vol[box].compute())
+    return got, gpulazy.stats().snapshot()["bytes_read"] - before
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_planes_of_a_zstd_chunk_decode_from_a_head_of_its_bytes(tmp_path, device, gathered):
+    from gpulazy.spec import head_allowance
+
+    data = np.random.default_rng(7).integers(0, 999, (48, 128, 128)).astype("<u2")
+    p, vol = _zstd_vol(tmp_path, data, (16, 128, 128), device, gathered=gathered)
+    assert len(vol.chunks[0]) == (1 if gathered else 3)
+    stored = [(tmp_path / "z.zarr" / "c" / str(i) / "0" / "0").stat().st_size for i in range(3)]
+    plane = 128 * 128 * 2
+    assert head_allowance(2 * plane) < min(stored)  # so a head reads less than its chunk
+    got, read = _read(vol, np.s_[17:18])  # planes 16-17 decode, from 194 KiB of the 350 KiB stored
+    np.testing.assert_array_equal(got, data[17:18])
+    assert read == head_allowance(2 * plane)
+    got, read = _read(vol, np.s_[16:17, 3:90, 5:60])  # the first plane, then its box copied out
+    np.testing.assert_array_equal(got, data[16:17, 3:90, 5:60])
+    assert read == head_allowance(plane)
+    got, read = _read(vol, np.s_[32:33])  # the first plane, decoded straight into the result
+    np.testing.assert_array_equal(got, data[32:33])
+    assert read == head_allowance(plane)
+    got, read = _read(vol, np.s_[5:33])  # cut at both ends
+    np.testing.assert_array_equal(got, data[5:33])
+    # Stored chunk by stored chunk, the first (cut after its planes 0-4) is read whole, the last
+    # (cut after its first plane) from a head; one array chunk of all three reads them whole.
+    assert read == (sum(stored) if gathered else stored[0] + stored[1] + head_allowance(plane))
+
+
+@given(layout=boxes(), short=st.booleans(), checksum=st.booleans())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_box_of_a_zstd_zarr_equals_the_file(tmp_path_factory, layout, short, checksum):
+    """Heads that run short (a stored allowance of a few bytes) and frames with a checksum (which a head
+    cannot check) read their chunks whole instead: the box equals the data either way."""
+    shape, chunks, box = layout
+    data = np.random.default_rng(len(shape)).integers(0, 999, shape).astype("<u2")
+    _, vol = _zstd_vol(tmp_path_factory.mktemp("z"), data, chunks, checksum=checksum)
+    with pytest.MonkeyPatch.context() as mp:
+        if short:
+            mp.setattr(gpulazy.spec, "head_allowance", lambda n: 1 + n // 8)
+        got, _ = _read(vol, box)
+    np.testing.assert_array_equal(got, data[box])
+
+
+def test_a_head_of_a_checksummed_frame_reads_the_chunk_and_checks_it(tmp_path):
+    data = np.random.default_rng(8).integers(0, 999, (32, 128, 128)).astype("<u2")
+    p, vol = _zstd_vol(tmp_path, data, (16, 128, 128), checksum=True)
+    got, read = _read(vol, np.s_[16:17])
+    np.testing.assert_array_equal(got, data[16:17])
+    chunk = tmp_path / "z.zarr" / "c" / "1" / "0" / "0"
+    blob = bytearray(chunk.read_bytes())
+    blob[-10] ^= 0xFF  # past any head: only the frame's checksum can tell
+    chunk.write_bytes(bytes(blob))
+    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    with pytest.raises(gpulazy.errors.ChunkDecodeError, match=str(chunk)):
+        vol[16:17].compute()
+
+
+def test_a_head_whose_frame_declares_another_size_raises_naming_the_file(tmp_path):
+    numcodecs = pytest.importorskip("numcodecs")
+    data = np.random.default_rng(9).integers(0, 999, (32, 128, 128)).astype("<u2")
+    p, vol = _zstd_vol(tmp_path, data, (16, 128, 128))
+    chunk = tmp_path / "z.zarr" / "c" / "1" / "0" / "0"
+    chunk.write_bytes(bytes(numcodecs.Zstd(level=1).encode(data[16:18])))  # two planes, not sixteen
+    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    with pytest.raises(gpulazy.errors.ChunkDecodeError, match=f"{chunk}.*says it decodes to {2 * 128 * 128 * 2}"):
+        vol[16:17].compute()
+
+
+@pytest.mark.parametrize("spec, stop", [
+    (dict(codec=(Codec("zstd"), Codec("shuffle"))), 1),  # a filter after it needs every byte
+    (dict(codec=(Codec("crc32c"), Codec("zstd"))), 1),  # a checksum covers every byte
+    (dict(codec=(Codec("zlib"),)), 1),  # its trailer's checksum too
+    (dict(codec=(Codec("zstd"),), order="F"), 1),
+    (dict(codec=(Codec("zstd"),)), 4),  # the whole chunk
+    (dict(codec=None), 1),  # stored as is: ChunkSpec.leading reads its planes
+])
+def test_a_head_is_only_for_the_first_planes_of_a_chunk_zstd_alone_compresses(spec, stop):
+    c = ChunkSpec((ByteRange("f", 0, 1 << 20),), (4, 256, 256), "<u2", **spec)
+    assert c.head(0, stop) is None
+    assert ChunkSpec((ByteRange("f", 0, 1 << 20),), (4, 256, 256), "<u2", codec=(Codec("zstd"),)).head(0, stop - 1 or 3)

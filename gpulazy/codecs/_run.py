@@ -67,8 +67,10 @@ def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int | None, w
 
 
 def _names(codec: Sequence[Codec]) -> str:
-    # "blosc_checked" is blosc decoded by gpulazy's checked fallback: the file says blosc.
-    return "+".join(c.id.removesuffix("_checked") for c in codec) or "uncompressed"
+    # "blosc_checked" is blosc decoded by gpulazy's checked fallback, "head" the first planes of a
+    # chunk (ChunkSpec.head): the file says blosc, or the compressor the head is of.
+    return "+".join(str(c.get("of")) if c.id == "head" else c.id.removesuffix("_checked") for c in codec) \
+        or "uncompressed"
 
 
 def size_error(where: ByteRange | None, codec: Sequence[Codec], expected: int | None, got: int | None,
@@ -95,7 +97,10 @@ def decode_error(where: ByteRange | None, codec: Sequence[Codec], e: BaseExcepti
 
 
 def warn_host_fallback(codec: Codec, device: Device) -> None:
-    """Say once per codec id that it decodes on the host for a GPU array."""
+    """Say once per codec id that it decodes on the host for a GPU array (not for a chunk's head, which
+    decodes there by choice: a few stored bytes each, see ``ChunkSpec.head``)."""
+    if codec.id == "head":
+        return
     _warn_once(codec.id, device.name)
 
 

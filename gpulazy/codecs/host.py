@@ -13,10 +13,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpulazy.codecs._frames import HEAD, TAIL, FrameError, check_declared, crc32c, require_size, step_sizes
+from gpulazy.codecs._frames import HEAD, TAIL, ZSTD_MAGIC, FrameError, check_declared, crc32c, require_size, step_sizes
 from gpulazy.spec import Codec
 
-__all__ = ["decode", "decode_step", "unsupported_reason", "SPECIAL"]
+__all__ = ["decode", "decode_step", "unsupported_reason", "SPECIAL", "HeadShort"]
 
 
 def _strip_crc32c(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
@@ -57,6 +57,52 @@ def _blosc_checked(data: np.ndarray, codec: Codec, expected: int | None) -> np.n
     return decode_step(data, Codec("blosc"), expected) if out is None else out
 
 
+class HeadShort(FrameError):
+    """A head of a stored piece (``ChunkSpec.head``) did not decode to the bytes asked of it: its
+    frame needs more stored bytes than ``head_allowance`` gives (another encoder's), or cannot be
+    checked or decoded from a head. The reader reads the whole chunk instead."""
+
+
+def _head(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
+    # The first ``expected`` decoded bytes of a zstd frame of which ``data`` is the first stored
+    # bytes. Whatever it cannot decode from them (a frame that needs more, a garbled one, one with
+    # a checksum of its content: that covers every byte) is ``HeadShort``: the reader reads the
+    # whole chunk instead, which decodes it or says what is wrong with it.
+    size = int(codec.get("size"))
+    if expected is None or expected > size:
+        raise FrameError(f"a head of {expected} bytes of a {size}-byte chunk")
+    head = data[:HEAD].tobytes()
+    try:
+        check_declared("zstd", head, b"", int(data.size), size)
+    except FrameError as e:
+        raise HeadShort(str(e), got=e.got) from e
+    if head[:4] == ZSTD_MAGIC and len(head) > 4 and head[4] & 4:
+        raise HeadShort("its zstd frame has a checksum of its content, which a head cannot check")
+    out = np.empty(expected, np.uint8)
+    try:
+        got = _zstd_head(data, out)
+    except Exception as e:
+        raise HeadShort(f"{type(e).__name__}: {e}") from e
+    if got < expected:
+        raise HeadShort(f"its zstd frame ended after {got} decoded bytes of {data.size} stored", got=got)
+    return out
+
+
+def _zstd_head(data: np.ndarray, out: np.ndarray) -> int:
+    # python-zstandard decodes block by block into ``out`` and stops once it is full (numcodecs
+    # and imagecodecs decode whole frames only); it releases the GIL while it decodes.
+    import zstandard
+
+    reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
+    got = 0
+    while got < out.size:
+        n = reader.readinto(out[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def _bitshuffle_lz4(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
     from gpulazy.codecs import bitshuffle
 
@@ -69,9 +115,11 @@ SPECIAL: dict[str, Callable[[np.ndarray, Codec, int | None], np.ndarray]] = {
     "tiff_predictor": _tiff_predictor,
     "blosc_checked": _blosc_checked,  # blosc pieces the GPU refused: every stream checked (codecs.blosc)
     "bitshuffle_lz4": _bitshuffle_lz4,  # HDF5 filter 32008 (codecs.bitshuffle)
+    "head": _head,  # the first planes of a zstd chunk from a head of its bytes (ChunkSpec.head)
 }
 #: The package a special step needs, for ``unsupported_reason``.
-_SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs", "bitshuffle_lz4": "lz4", "blosc_checked": "lz4"}
+_SPECIAL_NEEDS = {"tiff_predictor": "imagecodecs", "bitshuffle_lz4": "lz4", "blosc_checked": "lz4",
+                  "head": "zstandard"}
 #: Codecs whose C decoder enforces the size their framing declares, so they may decode
 #: straight into a buffer of that size (no copy) once ``check_declared`` has passed.
 _ENFORCES_DECLARED = frozenset({"zstd", "lz4", "blosc"})

@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gpulazy.codecs.host import HeadShort
 from gpulazy.device import get_device
+from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "held_bytes",
@@ -100,9 +102,11 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
 
     A chunk wholly inside the box reads straight into its slice of the result; so do the
     bytes of a chunk the box cuts along axis 0 only, when they are stored as is (a slab of
-    planes is one span of its bytes); another chunk the box cuts reads into an array of its
-    own (from the cache when it is there), whose overlap is copied in as it lands. Chunks
-    outside the box are not read.
+    planes is one span of its bytes), and the first planes of zstd chunks the box ends inside
+    (``ChunkSpec.head``: they decode from a head of the stored bytes). Another chunk the box
+    cuts reads into an array of its own (its planes up to the box's end only, where heads
+    apply; from the cache when it is there), whose overlap is copied in as it lands.
+    Chunks outside the box are not read.
     """
     from gpulazy.integrity import check_unchanged
     from gpulazy.memory import retry_on_oom
@@ -117,7 +121,9 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
     needed = [spec for spec in specs.values() if all(
         edges[a][i] < hi and edges[a][i + 1] > lo for a, (i, (lo, hi)) in enumerate(zip(spec.index, region)))]
     todo: list[tuple[ChunkSpec, Any]] = []
-    cuts: dict[str, tuple] = {}
+    cuts: dict[str, tuple] = {}  # key of a chunk (or of the part read of it) -> (slices in it, in ``out``)
+    heads: dict[str, ChunkSpec] = {}  # key of a chunk's head read (``ChunkSpec.head``) -> the chunk
+    done: set[str] = set()
 
     def copy_hit(spec: ChunkSpec, entry: Any, src: tuple, dst: tuple) -> None:
         check_unchanged(spec)  # a cached chunk of a file changed since indexing is never served
@@ -135,19 +141,42 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                     [spec], lambda spec, entry, src=src, dst=dst: copy_hit(spec, entry, src, dst)):
                 continue  # cached: its part copied straight out of the cache's entry (waited for)
             part = None if source.verify else _slab(spec, src)
-            if part is not None:
-                todo.append((part, out[dst + (Ellipsis,)]))
+            found = None if source.verify or part is not None else spec.head(src[0].start, src[0].stop)
+            if found is not None:
+                first, part = found
+                heads[part.key] = spec
+                src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
+            if part is not None and part.shape == tuple(s.stop - s.start for s in src):
+                todo.append((part, out[dst + (Ellipsis,)]))  # its bytes alone, or its planes from a head
             else:
-                cuts[spec.key] = (src, dst)
-                todo.append((spec, None))
+                part = part or spec
+                cuts[part.key] = (src, dst)
+                todo.append((part, None))
 
         def landed(spec: ChunkSpec, arr: Any) -> None:
+            done.add(spec.key)
             if spec.key in cuts:
                 src, dst = cuts[spec.key]
                 _copy_part(out, dst, arr, src, dev)
 
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
-        read_in_order(todo, source.backend_instance(), source.verify, landed, max(STAGED, inflight_room(dev)))
+        limit = max(STAGED, inflight_room(dev))
+        try:
+            read_in_order(todo, source.backend_instance(), source.verify, landed, limit)
+        except ChunkDecodeError as e:
+            if not isinstance(e.__cause__, HeadShort):
+                raise
+            # A head's stream needed more stored bytes than were read: what has not landed is read
+            # again, a head as its whole chunk.
+            rest = []
+            for spec, dest in todo:
+                whole = heads.get(spec.key)
+                if spec.key in done:
+                    continue
+                if whole is not None:
+                    cuts[whole.key] = _overlap(whole.index, edges, region)[:2]
+                rest.append((spec, dest) if whole is None else (whole, None))
+            read_in_order(rest, source.backend_instance(), source.verify, landed, limit)
     return out
 
 

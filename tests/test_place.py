@@ -155,3 +155,11 @@ def test_groups_grow_from_the_first_size_to_the_cap_and_keep_every_item_in_order
     assert [x for g in groups for x in g] == items
     assert [sum(10 for _ in g) for g in groups[:5]] == [20, 40, 80, 160, 160]
     assert groups_by_bytes(items, lambda i: 10, size=20) == [items[i:i + 2] for i in range(0, 100, 2)]
+
+
+def test_items_of_another_kind_start_a_group_of_their_own():
+    from gpulazy.read.whole import groups_by_bytes
+
+    items = [0, 2, 4, 1, 3, 6, 8, 10, 12]
+    groups = groups_by_bytes(items, lambda i: 10, size=30, apart=lambda i: i % 2)
+    assert groups == [[0, 2, 4], [1, 3], [6, 8, 10], [12]]

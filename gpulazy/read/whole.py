@@ -159,6 +159,10 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 src, dst = cuts[spec.key]
                 _copy_part(out, dst, arr, src, dev)
 
+        # Heads first, in a submission of their own (``read_in_order``): they decode on the host's
+        # cores while the next submission reads. Last, they waited behind the whole chunks' share of
+        # those cores.
+        todo.sort(key=lambda item: item[0].key not in heads)
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
         limit = max(STAGED, inflight_room(dev))
         try:
@@ -246,7 +250,9 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
     from gpulazy.read.engine import start
 
     grow_to = _decode_group(todo, limit)
-    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to)
+    # A submission of heads (``ChunkSpec.head``) holds heads alone: they decode on the host's
+    # cores, and beside them whole zstd chunks went to those cores too (of nvCOMP's share).
+    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=lambda item: _is_head(item[0]))
     inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
@@ -393,19 +399,25 @@ def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:
     return max(GROUP, min(limit // 4, DECODE_GROUP))
 
 
+def _is_head(spec: ChunkSpec) -> bool:
+    return bool(spec.codec) and spec.codec[0].id == "head"
+
+
 def groups_by_bytes(items: list, nbytes: Any, size: int | None = None, grow_to: int | None = None,
-                    bound: tuple[Any, int] | None = None) -> list[list]:
+                    bound: tuple[Any, int] | None = None, apart: Any = None) -> list[list]:
     """Consecutive ``items`` in groups of about ``size`` bytes (default ``GROUP``; ``nbytes(item)``
     each), none empty. With ``grow_to``, each group may be twice its predecessor, up to
     ``grow_to`` bytes: the first lands soon, the later ones are large. With ``bound`` (``(measure,
-    most)``), a group also holds at most ``most`` of ``measure(item)`` (one item always)."""
+    most)``), a group also holds at most ``most`` of ``measure(item)`` (one item always). With
+    ``apart``, consecutive items for which it differs are in different groups."""
     size = GROUP if size is None else size
     measure, most = bound if bound is not None else (lambda item: 0, math.inf)
+    kind = apart or (lambda item: None)
     groups: list[list] = [[]]
     held = other = 0
     for item in items:
         n, m = nbytes(item), measure(item)
-        if groups[-1] and (held + n > size or other + m > most):
+        if groups[-1] and (held + n > size or other + m > most or kind(item) != kind(groups[-1][-1])):
             groups.append([])
             held = other = 0
             size = max(size, min(2 * size, grow_to or 0))

@@ -70,18 +70,19 @@ def test_checks_catch_wrong_results(bench):
     for op, (_, fn) in bench.OPS.items():
         assert bench.check_op(op, fn(vol, g), g), op
     bad = vol.copy()
-    bad[3, 5, 7] = vol[:, 5, 7].max() + 1  # inside the slice [1:5], above the MIP, adds to the sum and mean
+    bad[4, 5, 7] = vol[:, 5, 7].max() + 1  # in the slice [1:5] and the plane [4], above the MIP, in the sum
     for op, (_, fn) in bench.OPS.items():
         assert not bench.check_op(op, fn(bad, g), g), op
     assert bench.check_whole(vol, g) and not bench.check_whole(vol[::-1], g)
     assert bench.op_bytes("slice", g) == 4 * 32 * 32 * 2 and bench.op_bytes("mean", g) == g.nbytes
+    assert bench.op_bytes("plane", g) == 32 * 32 * 2
 
 
 def test_derived_rows_and_references(bench, tmp_path, capsys):
     out = tmp_path / "formats.json"
     assert bench.main(TINY + ["--only", "raw,tiff,zarr-3d,hdf5", "--derived", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["ops"] == ["mip", "slice", "astype_sum", "mean"] and data["planes"] == 8 and data["side"] == 64
+    assert data["ops"] == ["mip", "slice", "astype_sum", "mean", "plane"] and data["planes"] == 8 and data["side"] == 64
     assert all(r["correct"] for r in data["raw_refs"].values())
     rows = {r["format"]: r for r in data["rows"]}
     assert list(rows) == ["raw", "tiff", "zarr-3d", "hdf5"]
@@ -94,14 +95,15 @@ def test_derived_rows_and_references(bench, tmp_path, capsys):
             assert r["x_whole"] == pytest.approx(r["gbps"] / row["gpulazy_gbps"])
             assert r["raw_ref_gbps"] == data["raw_refs"][op]["gbps"]
             assert r["x_raw_ref"] == pytest.approx(r["gbps"] / r["raw_ref_gbps"])
-            assert ("meets_target" in r) == (fmt in bench.TARGET_FORMATS)
+            assert ("meets_target" in r) == (fmt in bench.TARGET_FORMATS and op in bench.TARGET_OPS)
+            assert r["ms"] == pytest.approx(bench.op_bytes(op, bench.Geometry(8, 64)) / r["gbps"] / 1e6)
     assert rows["zarr-3d"]["chunks"][0] == [8, 1]  # 3D chunks of 64 planes, clipped to the 8 there are
     refs = rows["zarr-3d"]["refs"]
     assert refs["zarr enable_gpu + da.from_zarr"] == {"skipped": "needs a GPU"}
     assert refs["zarr-python [:] -> cp.asarray"]["gbps"] > 0
     assert rows["raw"]["refs"]["np.fromfile"]["planes"] == 8
     text = capsys.readouterr().out
-    assert "x whole [target 0.9x:" in text and "np.fromfile + same op" in text
+    assert "ms) [target 0.9x:" in text and "np.fromfile + same op" in text
     assert "derived op rate / whole compute() rate" in text
     assert "enable_gpu + da.from_zarr       skipped: needs a GPU" in text
 
@@ -176,7 +178,7 @@ def test_gpu_session_formats_mode(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "out" / "formats.json").read_text())
     assert [row["format"] for row in data["rows"]] == ["raw", "zarr-zstd-3d"]
-    assert data["ops"] == ["mip", "slice", "astype_sum", "mean"] and data["side"] == 64
+    assert data["ops"] == ["mip", "slice", "astype_sum", "mean", "plane"] and data["side"] == 64
     assert all(r["correct"] for row in data["rows"] for r in row["ops"].values())
     assert "budget 120 s" in (tmp_path / "out" / "formats.log").read_text()
     assert (tmp_path / "data" / "gpulazy-bench-formats").is_dir()

@@ -191,7 +191,8 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     ``claim([])`` (the viewer's motion prefetch, ``MotionPrefetch.claim``) dropped the read-ahead
     queued before them. A plain chunk (uncompressed, untiled: ``_part_read``) of which the box needs little
     is not waited for at all: the box's byte range is read straight into the result and the
-    whole chunk is warmed behind it, for the next plane.
+    whole chunk is warmed behind it, for the next plane. So is a zstd chunk whose first planes
+    hold the box (``_head_read``): only those decode, from a head of its stored bytes.
 
     Every read this function waits on goes through the view lane (``ChunkSource.for_viewer``):
     a backend's queue is first in, first out, and a plane queued behind the read-ahead a jump
@@ -219,6 +220,7 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     whole = [p[0] for p in uncached if id(p) not in parts and not cache.holds(p[0])]
     if claim is not None and absent:
         claim([])                # the read-ahead queued before this plane is stale: dropped
+    heads = _read_heads([part[0] for part in parts.values() if part[0].codec], view)
     read = _read_together(whole, view) if len(whole) > 1 else {}
     for p in pieces:
         spec, region, at = p
@@ -231,13 +233,49 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
             cache.get_region(spec, view.read, region, out=out[at])
             continue
         sub, sub_region = part
-        chunk = view.read(sub)
+        if sub.codec and sub.key not in heads:  # a head that could not serve: the chunk, whole
+            cache.get_region(spec, view.read, region, out=out[at])
+            continue
+        chunk = heads[sub.key] if sub.codec else view.read(sub)
         with own_stream(dev):
             out[at] = chunk[sub_region]
         if transfers is not None:
             transfers.add_part_read()
     if parts:
         cache.prefetch([p[0] for p in uncached if id(p) in parts], source.read)  # warmed behind the plane
+    return out
+
+
+def _head_read(spec: Any, region: tuple) -> tuple[Any, tuple] | None:
+    """``(sub-spec, region in it)`` decoding only a compressed chunk's planes up to the region's
+    last (``ChunkSpec.head``: zstd, from a head of its stored bytes), when those are at most
+    ``HEAD_READ_SHARE`` of its planes; else ``None``."""
+    first = region[0]
+    lo, hi = (first, first + 1) if isinstance(first, int) else (first.start, first.stop)
+    if not spec.shape or hi > HEAD_READ_SHARE * spec.shape[0]:
+        return None
+    found = spec.head(lo, hi)
+    if found is None:
+        return None
+    at, sub = found
+    shifted = first - at if isinstance(first, int) else slice(lo - at, hi - at)
+    return sub, (shifted,) + tuple(region[1:])
+
+
+def _read_heads(specs: list, source: Any) -> dict:
+    """``{key: array}`` of ``_head_read`` sub-specs, read in one engine submission (their pieces decode
+    together) and not cached (each is a plane's worth, the whole chunk is warmed behind it); a head
+    whose frame cannot serve it (``HeadShort``) is left out, for its chunk to be read whole."""
+    from gpulazy.codecs.host import HeadShort
+    from gpulazy.errors import ChunkDecodeError
+
+    out = {}
+    for spec, pending in zip(specs, source.start(specs) if specs else ()):
+        try:
+            out[spec.key] = pending.result()
+        except ChunkDecodeError as e:
+            if not isinstance(e.__cause__, HeadShort):
+                raise
     return out
 
 
@@ -271,6 +309,9 @@ def _pieces(array: Any, box: list) -> tuple[list[tuple[Any, tuple, tuple]], tupl
 
 #: A box reads its own bytes of a plain chunk only when they are at most this share of the chunk.
 PART_READ_SHARE = 0.5
+#: A box decodes the first planes of a zstd chunk alone (``_head_read``) only when they are at most
+#: this share of the chunk: a head decodes on one host core, a whole chunk's pieces on the GPU.
+HEAD_READ_SHARE = 0.25
 #: ``False``: read a box's chunks one after another through the cache, as before the plane
 #: came first (``benchmarks/bench_napari.py --compare`` measures both ways in one run).
 PLANE_FIRST = True
@@ -287,7 +328,9 @@ def _part_read(spec: Any, region: tuple) -> tuple[Any, tuple] | None:
     """
     from gpulazy.spec import ByteRange, ChunkSpec
 
-    if spec.codec is not None or spec.tiles or spec.order != "C" or len(spec.ranges) != 1:
+    if spec.codec is not None:
+        return _head_read(spec, region)
+    if spec.tiles or spec.order != "C" or len(spec.ranges) != 1:
         return None
     (rng,) = spec.ranges
     if rng.nbytes != spec.out_nbytes or not spec.shape:

@@ -102,6 +102,49 @@ def test_a_box_of_most_of_a_chunk_waits_for_the_chunk(volume, cache):
     assert view.transfers.part_reads == 0
 
 
+def _zstd_view(tmp_path, cache, checksum=False):
+    """A Zarr v3 zstd store of 32 planes in (16, 32, 32) chunks, opened in the same chunks."""
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    data = np.random.default_rng(11).integers(0, 60000, (32, 64, 64), dtype="u2")
+    p = str(tmp_path / "z.zarr")
+    zarr.create_array(p, shape=data.shape, chunks=(16, 32, 32), dtype="u2",
+                      compressors=ZstdCodec(level=1, checksum=checksum))[...] = data
+    view, _ = _layer_of(p, cache, chunks=(16, 32, 32), prefetch=False)
+    return view, data
+
+
+@_needs_layout("zarr")
+def test_a_plane_near_the_start_of_a_zstd_chunk_decodes_alone_and_the_chunk_is_warmed_behind(tmp_path, cache):
+    import gpulazy.read
+
+    view, data = _zstd_view(tmp_path, cache)
+    submissions, real = [], gpulazy.read.start
+    gpulazy.read.start = lambda specs, *a, **k: submissions.append([s.shape for s in specs]) or real(specs, *a, **k)
+    try:
+        np.testing.assert_array_equal(np.asarray(view[18, 3:40]), data[18, 3:40])  # planes 16-18 decode
+    finally:
+        gpulazy.read.start = real
+    assert submissions == [[(3, 32, 32)] * 4]                            # its 4 chunks' heads, together
+    assert view.transfers.part_reads == 4
+    wait_idle(cache)
+    assert all(view.array.chunk_index.specs[(1, i, j)] in cache for i in (0, 1) for j in (0, 1))  # behind it
+    np.testing.assert_array_equal(np.asarray(view[29]), data[29])        # from the cached chunks
+    assert view.transfers.part_reads == 4 and cache.stats()["prefetch_hits"] == 4
+    np.testing.assert_array_equal(np.asarray(view[3]), data[3])          # 4 of 16 planes: a quarter
+    assert view.transfers.part_reads == 8
+    np.testing.assert_array_equal(np.asarray(view[12]), data[12])        # 13 of 16 planes: the chunks
+    assert view.transfers.part_reads == 8
+
+
+@_needs_layout("zarr")
+def test_a_zstd_frame_a_head_cannot_check_is_read_whole_for_its_plane(tmp_path, cache):
+    view, data = _zstd_view(tmp_path, cache, checksum=True)              # the checksum covers every byte
+    np.testing.assert_array_equal(np.asarray(view[17]), data[17])
+    assert view.transfers.part_reads == 0 and cache.stats()["misses"] == 4
+
+
 @_needs_layout("zarr")
 def test_a_plane_s_compressed_chunks_are_read_together_after_the_stale_read_ahead_is_dropped(tmp_path, cache):
     import gpulazy.read.engine

@@ -467,3 +467,4 @@ def test_a_head_is_only_for_the_first_planes_of_a_chunk_zstd_alone_compresses(sp
     c = ChunkSpec((ByteRange("f", 0, 1 << 20),), (4, 256, 256), "<u2", **spec)
     assert c.head(0, stop) is None
     assert ChunkSpec((ByteRange("f", 0, 1 << 20),), (4, 256, 256), "<u2", codec=(Codec("zstd"),)).head(0, stop - 1 or 3)
+

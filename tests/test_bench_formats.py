@@ -182,3 +182,20 @@ def test_gpu_session_formats_mode(tmp_path):
     assert all(r["correct"] for row in data["rows"] for r in row["ops"].values())
     assert "budget 120 s" in (tmp_path / "out" / "formats.log").read_text()
     assert (tmp_path / "data" / "gpulazy-bench-formats").is_dir()
+
+
+def test_zstd_head_probe_reads_planes_from_heads_and_less(tmp_path, capsys):
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    sys.path.insert(0, str(BENCH.parent))
+    probe = importlib.import_module("zstd_head_probe")
+    data = np.random.default_rng(3).integers(0, 4096, (16, 256, 256), dtype="u2")
+    p = str(tmp_path / "z.zarr")
+    zarr.create_array(p, shape=data.shape, chunks=(4, 256, 256), dtype="u2", compressors=ZstdCodec(level=1))[...] = data
+    assert probe.main([p, "--device", "cpu", "--rounds", "2"]) == 0
+    rows = {tuple(line.split()[:2]): float(line.split()[-2]) for line in capsys.readouterr().out.splitlines()
+            if "heads=" in line}
+    assert len(rows) == 10
+    assert rows[("row2plane", "heads=True")] < rows[("row2plane", "heads=False")] / 2  # MiB read
+    assert rows[("whole", "heads=True")] == rows[("whole", "heads=False")]

@@ -468,3 +468,36 @@ def test_a_head_is_only_for_the_first_planes_of_a_chunk_zstd_alone_compresses(sp
     assert c.head(0, stop) is None
     assert ChunkSpec((ByteRange("f", 0, 1 << 20),), (4, 256, 256), "<u2", codec=(Codec("zstd"),)).head(0, stop - 1 or 3)
 
+
+
+def test_a_frame_that_does_not_say_its_size_is_read_whole_and_its_size_checked(tmp_path):
+    """A head cannot tell a frame decodes to the chunk's size unless its header says so: without
+    that, the chunk is read whole, which decodes it (or, too long, raises naming the file)."""
+    zstandard = pytest.importorskip("zstandard")
+    data = np.random.default_rng(14).integers(0, 999, (32, 128, 128)).astype("<u2")
+    p, _ = _zstd_vol(tmp_path, data, (16, 128, 128))
+    chunk = tmp_path / "z.zarr" / "c" / "1" / "0" / "0"
+    unsized = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    chunk.write_bytes(unsized.compress(data[16:32].tobytes()))
+    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    got, read = _read(vol, np.s_[17:18])
+    np.testing.assert_array_equal(got, data[17:18])
+    assert read >= chunk.stat().st_size  # read whole (after the head)
+    chunk.write_bytes(unsized.compress(data[16:32].tobytes() + bytes(64)))  # decodes 64 bytes long
+    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    with pytest.raises(gpulazy.errors.ChunkDecodeError, match=str(chunk)):
+        vol[17:18].compute()
+
+
+def test_a_reused_decompressor_decodes_each_head_from_its_own_frame():
+    """Heads stop inside their frames; the thread's decompressor starts each next frame afresh."""
+    numcodecs = pytest.importorskip("numcodecs")
+    from gpulazy.codecs.host import _zstd_head
+
+    rng = np.random.default_rng(15)
+    raw = [rng.integers(0, 4096, 1 << 20, dtype="u2").tobytes() for _ in range(3)]
+    frames = [np.frombuffer(numcodecs.Zstd(level=1).encode(r), np.uint8) for r in raw]
+    for k, n in [(0, 300_000), (1, 5), (2, 1 << 20), (0, 131_073), (1, 2 << 20)]:
+        out = np.empty(n, np.uint8)
+        assert _zstd_head(frames[k], out) == n
+        assert out.tobytes() == raw[k][:n], (k, n)

@@ -66,17 +66,20 @@ class HeadShort(FrameError):
 
 def _head(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
     # The first ``expected`` decoded bytes of a zstd frame of which ``data`` is the first stored
-    # bytes. Whatever it cannot decode from them (a frame that needs more, a garbled one, one with
-    # a checksum of its content: that covers every byte) is ``HeadShort``: the reader reads the
-    # whole chunk instead, which decodes it or says what is wrong with it.
+    # bytes. Whatever it cannot decode or check from them (a frame that needs more, a garbled one,
+    # one with a checksum of its content, which covers every byte, or without its decoded size,
+    # which must be the chunk's) is ``HeadShort``: the reader reads the whole chunk instead, which
+    # decodes it or says what is wrong with it.
     size = int(codec.get("size"))
     if expected is None or expected > size:
         raise FrameError(f"a head of {expected} bytes of a {size}-byte chunk")
     head = data[:HEAD].tobytes()
     try:
-        check_declared("zstd", head, b"", int(data.size), size)
+        declared = check_declared("zstd", head, b"", int(data.size), size)
     except FrameError as e:
         raise HeadShort(str(e), got=e.got) from e
+    if declared is None:  # the whole read is what checks the frame decodes to the chunk's size
+        raise HeadShort("its zstd frame does not say how many bytes it decodes to")
     if head[:4] == ZSTD_MAGIC and len(head) > 4 and head[4] & 4:
         raise HeadShort("its zstd frame has a checksum of its content, which a head cannot check")
     out = np.empty(expected, np.uint8)

@@ -180,7 +180,7 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
     from gpulazy.codecs import nvcomp
 
     pieces = Pieces.of(pieces)
-    result = nvcomp.Decoded(nvcomp._unfilled(len(pieces), cupy))
+    result = nvcomp.Decoded.pending(len(pieces), cupy)
     es = int(codec.get("elementsize", 1))
     heads, _ = nvcomp._ends(pieces)
     plans: dict[int, Header] = {}

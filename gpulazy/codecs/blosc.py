@@ -274,7 +274,7 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
 
     pieces = Pieces.of(pieces)
     # What the GPU refuses, the host decodes with every stream checked (``decode_checked``).
-    result = nvcomp.Decoded(nvcomp._unfilled(len(pieces), cupy), host_codec=Codec("blosc_checked"))
+    result = nvcomp.Decoded.pending(len(pieces), cupy, host_codec=Codec("blosc_checked"))
     heads, _ = nvcomp._ends(pieces)
     plans: dict[int, Header] = {}
     stored: dict[int, int] = {}  # piece -> its bytes, stored as they are after the header

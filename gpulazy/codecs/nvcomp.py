@@ -139,6 +139,12 @@ class Decoded:
     #: The step the host decodes ``host`` pieces with, when not the batch's own codec.
     host_codec: Codec | None = None
 
+    @classmethod
+    def pending(cls, n: int, cupy: Any, host_codec: Codec | None = None) -> Decoded:
+        """The result for ``n`` pieces before any is decoded: each ``out`` piece empty."""
+        return cls(Pieces.carved(cupy.empty(0, dtype=np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64)),
+                   host_codec=host_codec)
+
 
 def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_index: int = 0) -> Decoded:
     """Decode ``pieces`` (``Pieces``, or 1-D CuPy uint8 arrays) of one codec, each to ``sizes[i]``
@@ -152,7 +158,7 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
     pieces = Pieces.of(pieces)
     n = len(pieces)
     want = np.asarray(sizes, dtype=np.int64).reshape(-1)
-    result = Decoded(_unfilled(n, cupy))
+    result = Decoded.pending(n, cupy)
     start, stop = np.zeros(n, np.int64), pieces.sizes.copy()
     go = np.ones(n, bool)
     if framing in _HEADLESS:  # the stream is the whole piece: nothing to read on the host
@@ -199,11 +205,6 @@ def decode(pieces: Sequence[Any], codec: Codec, sizes: Sequence[int], device_ind
         result.out = result.out.filled(outputs)
     result.host.sort()
     return result
-
-
-def _unfilled(n: int, cupy: Any) -> Pieces:
-    """``n`` empty pieces: what ``Decoded.out`` holds for a piece not decoded (yet)."""
-    return Pieces.carved(cupy.empty(0, dtype=np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64))
 
 
 def _run(algorithm: str, device_index: int, src: np.ndarray, lengths: np.ndarray, want: np.ndarray, cupy: Any

@@ -107,7 +107,8 @@ class Pieces(Sequence):
 
     def take(self, idx: Any) -> Pieces:
         """The pieces ``idx`` (indices or a mask), in that order."""
-        idx = np.asarray(idx, dtype=bool if np.asarray(idx).dtype == bool else np.int64)
+        idx = np.asarray(idx)
+        idx = idx if idx.dtype == bool else idx.astype(np.int64, copy=False)
         out = Pieces(self.owners, self.owner[idx], self.starts[idx], self.sizes[idx])
         if self._ptrs is not None:
             out._ptrs = self._ptrs[idx]

@@ -430,16 +430,18 @@ def test_a_box_of_a_zstd_zarr_equals_the_file(tmp_path_factory, layout, short, c
     np.testing.assert_array_equal(got, data[box])
 
 
-def test_a_head_of_a_checksummed_frame_reads_the_chunk_and_checks_it(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_head_of_a_checksummed_frame_reads_the_chunk_and_checks_it(tmp_path, device):
     data = np.random.default_rng(8).integers(0, 999, (32, 128, 128)).astype("<u2")
-    p, vol = _zstd_vol(tmp_path, data, (16, 128, 128), checksum=True)
+    p, vol = _zstd_vol(tmp_path, data, (16, 128, 128), device, checksum=True)
     got, read = _read(vol, np.s_[16:17])
     np.testing.assert_array_equal(got, data[16:17])
     chunk = tmp_path / "z.zarr" / "c" / "1" / "0" / "0"
+    assert read >= chunk.stat().st_size  # the chunk, whole (after its head)
     blob = bytearray(chunk.read_bytes())
     blob[-10] ^= 0xFF  # past any head: only the frame's checksum can tell
     chunk.write_bytes(bytes(blob))
-    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    vol = gpulazy.from_files(p, device=device, cache=False)
     with pytest.raises(gpulazy.errors.ChunkDecodeError, match=str(chunk)):
         vol[16:17].compute()
 
@@ -470,7 +472,8 @@ def test_a_head_is_only_for_the_first_planes_of_a_chunk_zstd_alone_compresses(sp
 
 
 
-def test_a_frame_that_does_not_say_its_size_is_read_whole_and_its_size_checked(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_frame_that_does_not_say_its_size_is_read_whole_and_its_size_checked(tmp_path, device):
     """A head cannot tell a frame decodes to the chunk's size unless its header says so: without
     that, the chunk is read whole, which decodes it (or, too long, raises naming the file)."""
     zstandard = pytest.importorskip("zstandard")
@@ -479,12 +482,12 @@ def test_a_frame_that_does_not_say_its_size_is_read_whole_and_its_size_checked(t
     chunk = tmp_path / "z.zarr" / "c" / "1" / "0" / "0"
     unsized = zstandard.ZstdCompressor(level=1, write_content_size=False)
     chunk.write_bytes(unsized.compress(data[16:32].tobytes()))
-    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    vol = gpulazy.from_files(p, device=device, cache=False)
     got, read = _read(vol, np.s_[17:18])
     np.testing.assert_array_equal(got, data[17:18])
     assert read >= chunk.stat().st_size  # read whole (after the head)
     chunk.write_bytes(unsized.compress(data[16:32].tobytes() + bytes(64)))  # decodes 64 bytes long
-    vol = gpulazy.from_files(p, device="cpu", cache=False)
+    vol = gpulazy.from_files(p, device=device, cache=False)
     with pytest.raises(gpulazy.errors.ChunkDecodeError, match=str(chunk)):
         vol[17:18].compute()
 

@@ -444,6 +444,8 @@ def test_a_head_of_a_checksummed_frame_reads_the_chunk_and_checks_it(tmp_path, d
     vol = gpulazy.from_files(p, device=device, cache=False)
     with pytest.raises(gpulazy.errors.ChunkDecodeError, match=str(chunk)):
         vol[16:17].compute()
+    with pytest.raises(gpulazy.errors.ChunkDecodeError, match=str(chunk)):  # the whole read checks it too
+        vol.compute()  # (nvCOMP verifies no checksum: such frames decode on the host, on a GPU too)
 
 
 def test_a_head_whose_frame_declares_another_size_raises_naming_the_file(tmp_path):

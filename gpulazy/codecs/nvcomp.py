@@ -33,7 +33,9 @@ output would not fit its slot in that piece's status; zstd and LZ4 read past a p
 end (a stream cut in half still decoded in full from the bytes behind it), hence the
 walks; and a garbled zstd payload faulted the CUDA context (NVIDIA's release notes:
 its zstd and Deflate decoders assume valid input). nvCOMP verifies no zstd content
-checksum, Adler-32 or gzip CRC-32. So a payload corrupted *inside* a zstd block (its
+checksum, Adler-32 or gzip CRC-32. A zstd frame that carries a checksum of its content
+(Zarr's ``ZstdCodec(checksum=True)``) is therefore decoded on the host, which verifies it:
+its writer asked for the check. Otherwise a payload corrupted *inside* a zstd block (its
 headers intact), or LZ4 literals garbled, is not caught on the GPU and a garbled zstd
 block can take the process's GPU context down: read files you do not trust with
 ``device="cpu"`` or ``gpulazy.config.set(gpu_decode=False)``.
@@ -347,6 +349,8 @@ def _zstd(head: bytes, size: int) -> tuple[Any, str]:
         return None, "not a zstd frame (magic number missing)"
     if head[4] & 3:
         return None, "zstd frame uses a dictionary"
+    if head[4] & 4:  # libzstd on the host checks it; a corrupt frame would otherwise be data
+        return None, "its zstd frame has a checksum of its content, which nvCOMP does not verify"
     start, trailer = zstd_header(head)
     if start + 3 + trailer > size:
         return None, "truncated zstd frame header"

@@ -350,6 +350,8 @@ class ChunkSpec:
                                 self.dtype, "C", (codec,), identity=self.identity, index=self.index,
                                 fill_value=self.fill_value)
         met = [t for t in self.tiles if t.origin[0] < stop and t.origin[0] + t.shape[0] > start]
+        if not met:
+            return None
         shapes = {t.shape for t in met}
         first = min(t.origin[0] for t in met)
         if len(shapes) != 1 or any(t.origin[0] != first or t.order != "C" for t in met):
@@ -366,6 +368,11 @@ class ChunkSpec:
         return first, ChunkSpec(tuple(t.range for t in tiles if t.range is not None), (keep,) + rest, self.dtype,
                                 "C", (codec,), identity=self.identity, index=self.index, tiles=tiles,
                                 fill_value=self.fill_value)
+
+    @property
+    def is_head(self) -> bool:
+        """Whether this is the first planes of a chunk, decoded from heads of its stored bytes (``head``)."""
+        return bool(self.codec) and self.codec[0].id == "head"
 
     @property
     def needs_byteswap(self) -> bool:

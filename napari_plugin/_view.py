@@ -220,7 +220,7 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     whole = [p[0] for p in uncached if id(p) not in parts and not cache.holds(p[0])]
     if claim is not None and absent:
         claim([])                # the read-ahead queued before this plane is stale: dropped
-    heads = _read_heads([part[0] for part in parts.values() if part[0].codec], view)
+    heads = _read_heads([part[0] for part in parts.values() if part[0].is_head], view)
     read = _read_together(whole, view) if len(whole) > 1 else {}
     for p in pieces:
         spec, region, at = p
@@ -233,10 +233,10 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
             cache.get_region(spec, view.read, region, out=out[at])
             continue
         sub, sub_region = part
-        if sub.codec and sub.key not in heads:  # a head that could not serve: the chunk, whole
+        if sub.is_head and sub.key not in heads:  # a head that could not serve: the chunk, whole
             cache.get_region(spec, view.read, region, out=out[at])
             continue
-        chunk = heads[sub.key] if sub.codec else view.read(sub)
+        chunk = heads[sub.key] if sub.is_head else view.read(sub)
         with own_stream(dev):
             out[at] = chunk[sub_region]
         if transfers is not None:
@@ -324,7 +324,8 @@ def _part_read(spec: Any, region: tuple) -> tuple[Any, tuple] | None:
     (raw, ``.npy``, uncompressed contiguous data). The sub-spec is the run of elements from the
     region's first to its last: whole rows of the first axis along which the region has more
     than one element (``region`` axes before it are single indices), e.g. the rows of one plane
-    of a 3-D chunk. ``None`` when that run is more than ``PART_READ_SHARE`` of the chunk.
+    of a 3-D chunk. ``None`` when that run is more than ``PART_READ_SHARE`` of the chunk. A
+    compressed chunk's part is ``_head_read``'s.
     """
     from gpulazy.spec import ByteRange, ChunkSpec
 

@@ -170,16 +170,18 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
         except ChunkDecodeError as e:
             if not isinstance(e.__cause__, HeadShort):
                 raise
-            # A head's stream needed more stored bytes than were read: what has not landed is read
-            # again, a head as its whole chunk.
+            # A head could not serve (its frame needs more stored bytes, or a whole read to be
+            # checked): what has not landed is read again, a head as its whole chunk.
             rest = []
             for spec, dest in todo:
-                whole = heads.get(spec.key)
                 if spec.key in done:
                     continue
-                if whole is not None:
+                whole = heads.get(spec.key)
+                if whole is None:
+                    rest.append((spec, dest))
+                else:
                     cuts[whole.key] = _overlap(whole.index, edges, region)[:2]
-                rest.append((spec, dest) if whole is None else (whole, None))
+                    rest.append((whole, None))
             read_in_order(rest, source.backend_instance(), source.verify, landed, limit)
     return out
 
@@ -252,7 +254,7 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
     grow_to = _decode_group(todo, limit)
     # A submission of heads (``ChunkSpec.head``) holds heads alone: they decode on the host's
     # cores, and beside them whole zstd chunks went to those cores too (of nvCOMP's share).
-    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=lambda item: _is_head(item[0]))
+    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=lambda item: item[0].is_head)
     inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
@@ -397,10 +399,6 @@ def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:
     if not any(spec.is_assembled for spec, _ in todo):
         return None
     return max(GROUP, min(limit // 4, DECODE_GROUP))
-
-
-def _is_head(spec: ChunkSpec) -> bool:
-    return bool(spec.codec) and spec.codec[0].id == "head"
 
 
 def groups_by_bytes(items: list, nbytes: Any, size: int | None = None, grow_to: int | None = None,

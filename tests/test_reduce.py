@@ -415,14 +415,15 @@ def test_planes_of_a_zstd_chunk_decode_from_a_head_of_its_bytes(tmp_path, device
     assert read == (sum(stored) if gathered else stored[0] + stored[1] + head_allowance(plane))
 
 
-@given(layout=boxes(), short=st.booleans(), checksum=st.booleans())
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_a_box_of_a_zstd_zarr_equals_the_file(tmp_path_factory, layout, short, checksum):
+@given(layout=boxes(), short=st.booleans(), checksum=st.booleans(), gathered=st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_box_of_a_zstd_zarr_equals_the_file(tmp_path_factory, layout, short, checksum, gathered):
     """Heads that run short (a stored allowance of a few bytes) and frames with a checksum (which a head
-    cannot check) read their chunks whole instead: the box equals the data either way."""
+    cannot check) read their chunks whole instead: the box equals the data either way, with a dask
+    chunk per stored chunk or the stored chunks gathered as tiles (edge ones stored whole, cropped)."""
     shape, chunks, box = layout
     data = np.random.default_rng(len(shape)).integers(0, 999, shape).astype("<u2")
-    _, vol = _zstd_vol(tmp_path_factory.mktemp("z"), data, chunks, checksum=checksum)
+    _, vol = _zstd_vol(tmp_path_factory.mktemp("z"), data, chunks, checksum=checksum, gathered=gathered)
     with pytest.MonkeyPatch.context() as mp:
         if short:
             mp.setattr(gpulazy.spec, "head_allowance", lambda n: 1 + n // 8)

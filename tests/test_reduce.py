@@ -507,3 +507,19 @@ def test_a_reused_decompressor_decodes_each_head_from_its_own_frame():
         out = np.empty(n, np.uint8)
         assert _zstd_head(frames[k], out) == n
         assert out.tobytes() == raw[k][:n], (k, n)
+
+
+def test_a_plane_of_an_hdf5_zstd_chunk_decodes_from_a_head_too(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    hdf5plugin = pytest.importorskip("hdf5plugin")
+    from gpulazy.spec import head_allowance
+
+    data = np.random.default_rng(17).integers(0, 999, (32, 128, 128)).astype("<u2")
+    p = str(tmp_path / "z.h5")
+    with h5py.File(p, "w") as f:
+        f.create_dataset("d", data=data, chunks=(16, 128, 128), **hdf5plugin.Zstd(clevel=1))
+        stored = f["d"].id.get_chunk_info(1).size  # planes 16..31
+    vol = gpulazy.from_files(p, dataset="d", device="cpu", cache=False)
+    got, read = _read(vol, np.s_[17:18])
+    np.testing.assert_array_equal(got, data[17:18])
+    assert read == head_allowance(2 * 128 * 128 * 2) < stored

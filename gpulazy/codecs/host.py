@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpulazy.codecs._frames import HEAD, TAIL, ZSTD_MAGIC, FrameError, check_declared, crc32c, require_size, step_sizes
+from gpulazy.codecs._frames import (HEAD, TAIL, FrameError, check_declared, crc32c, require_size, step_sizes,
+                                    zstd_header)
 from gpulazy.spec import Codec
 
 __all__ = ["decode", "decode_step", "unsupported_reason", "SPECIAL", "HeadShort"]
@@ -80,7 +81,7 @@ def _head(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
         raise HeadShort(str(e), got=e.got) from e
     if declared is None:  # the whole read is what checks the frame decodes to the chunk's size
         raise HeadShort("its zstd frame does not say how many bytes it decodes to")
-    if head[:4] == ZSTD_MAGIC and len(head) > 4 and head[4] & 4:
+    if zstd_header(head)[1]:  # (a standard frame: it declared its size)
         raise HeadShort("its zstd frame has a checksum of its content, which a head cannot check")
     out = np.empty(expected, np.uint8)
     try:

@@ -349,9 +349,9 @@ def _zstd(head: bytes, size: int) -> tuple[Any, str]:
         return None, "not a zstd frame (magic number missing)"
     if head[4] & 3:
         return None, "zstd frame uses a dictionary"
-    if head[4] & 4:  # libzstd on the host checks it; a corrupt frame would otherwise be data
-        return None, "its zstd frame has a checksum of its content, which nvCOMP does not verify"
     start, trailer = zstd_header(head)
+    if trailer:  # libzstd on the host checks it; a corrupt frame would otherwise be data
+        return None, "its zstd frame has a checksum of its content, which nvCOMP does not verify"
     if start + 3 + trailer > size:
         return None, "truncated zstd frame header"
     return (0, size), ""

@@ -254,7 +254,8 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
     grow_to = _decode_group(todo, limit)
     # A submission of heads (``ChunkSpec.head``) holds heads alone: they decode on the host's
     # cores, and beside them whole zstd chunks went to those cores too (of nvCOMP's share).
-    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=lambda item: item[0].is_head)
+    apart = (lambda item: item[0].is_head) if any(spec.is_head for spec, _ in todo) else None
+    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=apart)
     inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
@@ -413,12 +414,14 @@ def groups_by_bytes(items: list, nbytes: Any, size: int | None = None, grow_to: 
     kind = apart or (lambda item: None)
     groups: list[list] = [[]]
     held = other = 0
+    last = None
     for item in items:
-        n, m = nbytes(item), measure(item)
-        if groups[-1] and (held + n > size or other + m > most or kind(item) != kind(groups[-1][-1])):
+        n, m, k = nbytes(item), measure(item), kind(item)
+        if groups[-1] and (held + n > size or other + m > most or k != last):
             groups.append([])
             held = other = 0
             size = max(size, min(2 * size, grow_to or 0))
+        last = k
         groups[-1].append(item)
         held += n
         other += m

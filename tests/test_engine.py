@@ -37,15 +37,16 @@ def _delta(before: dict) -> dict:
 
 @pytest.fixture
 def allocs(monkeypatch):
-    """Calls to ``Device.alloc`` (every chunk-sized array gpulazy makes goes through it)."""
+    """Arrays made by ``Device.alloc_many`` (every chunk-sized array gpulazy makes goes through it,
+    ``Device.alloc`` too)."""
     calls = []
-    real = Device.alloc
+    real = Device.alloc_many
 
-    def spy(self, shape, dtype, order="C"):
-        calls.append(tuple(shape))
-        return real(self, shape, dtype, order)
+    def spy(self, items):
+        calls.extend(tuple(shape) for shape, _, _ in items)
+        return real(self, items)
 
-    monkeypatch.setattr(Device, "alloc", spy)
+    monkeypatch.setattr(Device, "alloc_many", spy)
     return calls
 
 

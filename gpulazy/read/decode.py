@@ -43,6 +43,9 @@ def place_plain(bufs: Sequence[Any], dests: Sequence[Any], specs: Sequence[Chunk
     outs: list[Any] = []
     copies: list[tuple[Any, Any, tuple]] = []
     for buf, dest, spec, done in zip(bufs, dests, specs, inplace):
+        if done and not spec.needs_byteswap:
+            outs.append(dest)  # landed where it lives
+            continue
         try:
             raw = buf[: spec.out_nbytes]
             if spec.needs_byteswap:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import numpy as np
@@ -114,8 +115,10 @@ class Reads:
         self._lock = threading.RLock()
         jobs, slots = [], []
         with dev.activate():
+            fresh = _outputs(specs, outs, dev)
             for i, spec in enumerate(specs):
-                self.dests[i], self.bufs[i], self.inplace[i] = _targets(spec, None if outs is None else outs[i], dev)
+                given = None if outs is None else outs[i]
+                self.dests[i], self.bufs[i], self.inplace[i] = _targets(spec, given, fresh.get(i))
             own = [i for i in range(n) if self.bufs[i] is None]
             for i, buf in zip(own, _buffers([specs[i].nbytes for i in own], dev)):
                 self.bufs[i] = buf
@@ -194,7 +197,11 @@ class Reads:
         plain = [i for i in ok if not self.specs[i].is_assembled]
         pieces = [i for i in ok if self.specs[i].is_assembled]
         dev = self.device
-        with dev.activate(), own_stream(dev):  # waited for on leaving: valid on every stream
+        # A chunk that landed in place in native byte order needs no device work of gpulazy's:
+        # its staged copy was waited for above. Entering (and waiting for) gpulazy's stream costs
+        # tens of microseconds a chunk, the scheduler's thread's time under read-ahead.
+        queued = pieces or any(not self.inplace[i] or self.specs[i].needs_byteswap for i in plain)
+        with dev.activate(), (own_stream(dev) if queued else nullcontext()):  # waited for on leaving
             if plain:
                 try:
                     placed = place_plain([self.bufs[i] for i in plain], [self.dests[i] for i in plain],
@@ -296,26 +303,39 @@ def _verified(future: Any, buf: Any, spec: ChunkSpec) -> Any:
     return VerifiedRead(future, buf, spec)
 
 
-def _targets(spec: ChunkSpec, out: Any, dev: Device) -> tuple[Any, Any, bool]:
+def _outputs(specs: list[ChunkSpec], outs: Sequence[Any] | None, dev: Device) -> dict[int, Any]:
+    """``{i: array}`` for the chunks read as stored that were given no destination: each lands
+    in a new array, allocated here together (``Device.alloc_many``: one event for all)."""
+    from gpulazy.read.decode import count
+
+    need = [i for i, spec in enumerate(specs) if (outs is None or outs[i] is None)
+            and not spec.is_assembled and spec.nbytes == spec.out_nbytes]
+    if not need:
+        return {}
+    made = dev.alloc_many([(specs[i].shape, specs[i].out_dtype, "F" if specs[i].order == "F" else "C")
+                           for i in need])
+    count("outputs", len(need))
+    return dict(zip(need, made))
+
+
+def _targets(spec: ChunkSpec, out: Any, fresh: Any) -> tuple[Any, Any, bool]:
     """``(destination, buffer the bytes land in, whether that buffer is the destination's
-    memory)`` for one chunk; allocates a destination that is missing. The buffer is ``None``
-    when the chunk needs one of its own (``_buffers`` makes them for the whole submission).
+    memory)`` for one chunk: ``out``, the caller's destination, else ``fresh`` (``_outputs``), else
+    none (the chunk is made by its decode or from its buffer). The buffer is ``None`` when the
+    chunk needs one of its own (``_buffers`` makes them for the whole submission).
 
     A chunk read as it is stored lands straight in its destination when the destination's
     memory is contiguous in the chunk's element order (a given slice of a result, a new
     array); otherwise in a buffer of its own, copied into the destination after. Stored
     pieces always land in a buffer of their own: they decode into the destination.
     """
-    from gpulazy.read.decode import count
-
     if out is not None and (tuple(out.shape) != tuple(spec.shape) or np.dtype(out.dtype) != spec.out_dtype):
         raise ValueError(f"the destination of chunk {spec.index} is {tuple(out.shape)} {out.dtype}, "
                          f"but the chunk is {tuple(spec.shape)} {spec.out_dtype}")
     if spec.is_assembled:
         return out, None, False
-    if out is None and spec.nbytes == spec.out_nbytes:
-        out = dev.alloc(spec.shape, spec.out_dtype, "F" if spec.order == "F" else "C")
-        count("outputs")
+    if out is None:
+        out = fresh
     flat = byte_view(out, spec.order) if out is not None else None
     if flat is not None and flat.nbytes == spec.nbytes:
         return out, flat, True

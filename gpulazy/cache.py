@@ -123,7 +123,7 @@ class _Entry:
 class _Job:
     """A load in flight: its future, who started it, and who waits on it."""
 
-    __slots__ = ("future", "prefetch", "waiters", "used", "pending", "reserved", "t0")
+    __slots__ = ("future", "prefetch", "waiters", "used", "pending", "reserved", "t0", "keep")
 
     def __init__(self, prefetch: bool):
         self.future: Future = Future()
@@ -135,7 +135,12 @@ class _Job:
         self.pending: Any = None
         self.reserved = 0
         self.t0 = 0.0
+        # ``prefetch(..., keep=False)``: the chunk goes to the first ``get`` as it is, never cached.
+        self.keep = True
 
+
+#: ``_hand_over``'s answer when the read failed (the error is recorded; ``get`` reads again).
+_FAILED = object()
 
 _COUNTERS = ("hits", "misses", "prefetched", "prefetch_hits", "prefetch_skipped", "evictions",
              "bytes_read", "loads", "errors", "cancelled")
@@ -307,6 +312,11 @@ class DeviceCache:
             if owner:
                 return self._load_for_get(spec, load, job)
             if pending is not None:
+                if not job.keep:
+                    handed = self._hand_over(key, job, pending)
+                    if handed is _FAILED:
+                        continue  # a failed read-ahead is read again on demand, and raises then
+                    return handed
                 self._finish_started(key, job, pending)
             try:
                 result = job.future.result()
@@ -451,7 +461,8 @@ class DeviceCache:
                 entry.pins -= 1
         return True
 
-    def prefetch(self, specs: Iterable[ChunkSpec], load: Loader, start: Starter | None = None) -> int:
+    def prefetch(self, specs: Iterable[ChunkSpec], load: Loader, start: Starter | None = None, *,
+                 keep: bool = True) -> int:
         """Start warming ``specs`` in the background; returns at once.
 
         Chunks already cached (their LRU position is refreshed), in flight or queued
@@ -465,13 +476,18 @@ class DeviceCache:
         finishes it. Worker threads need the GIL for every chunk, so a thread busy in
         Python (a launch-bound compute) would starve them; ``start`` does not.
 
+        ``keep=False`` (with ``start`` only): the chunks are read ahead for one use. The
+        first ``get`` of each takes the array read as it is, with no copy, and the cache
+        keeps nothing of it (room is held for it only while it is read). For a pass over
+        more bytes than the cache holds, whose chunks an LRU would evict before any reuse.
+
         Returns
         -------
         int
             How many chunks were queued or started.
         """
         if start is not None:
-            return self._prefetch_started(specs, start)
+            return self._prefetch_started(specs, start, keep)
         queued = 0
         with self._lock:
             if self._closed:
@@ -501,7 +517,8 @@ class DeviceCache:
         return n
 
     def poll(self) -> int:
-        """Finish the started prefetches whose reads are complete (never blocks); how many.
+        """Finish the started prefetches whose reads are complete (never blocks); how many
+        (those started with ``keep=False`` are only moved on: their ``get`` finishes them).
 
         Called by ``gpulazy.prefetch`` as each task starts, so their chunks are cached
         and their copies to the device issued before a task asks for them.
@@ -511,7 +528,9 @@ class DeviceCache:
         n = 0
         for key, job in started:
             pending = job.pending
-            if pending is None or not pending.done():
+            # ``done()`` moves a read on (a staged copy is issued once its bytes are in); a chunk
+            # read ahead for one use is left to its ``get``, which takes it as it is.
+            if pending is None or not pending.done() or not job.keep:
                 continue
             with self._lock:
                 if job.pending is not pending:
@@ -537,7 +556,7 @@ class DeviceCache:
             return False
         return True
 
-    def _prefetch_started(self, specs: Iterable[ChunkSpec], start: Starter) -> int:
+    def _prefetch_started(self, specs: Iterable[ChunkSpec], start: Starter, keep: bool) -> int:
         with self._lock:
             if self._closed:
                 return 0
@@ -545,7 +564,7 @@ class DeviceCache:
             for spec in specs:
                 if self._wanted(spec, reserve=True):
                     job = self._start_job(spec.key, prefetch=True)
-                    job.reserved = spec.out_nbytes
+                    job.reserved, job.keep = spec.out_nbytes, keep
                     todo.append((spec, job))
             if not todo:
                 return 0
@@ -594,9 +613,38 @@ class DeviceCache:
                 self._counts["prefetched"] += 1
         job.future.set_result(stored if stored is not None else array)
 
+    def _hand_over(self, key: str, job: _Job, pending: Any) -> Any:
+        """The array of a chunk read ahead for one use (``keep=False``), claimed by this ``get``:
+        its own, uncached; a copy if other threads wait on it too. ``_FAILED`` if the read failed."""
+        reserved, job.reserved = job.reserved, 0
+        try:
+            array = pending.result()
+        except BaseException as e:  # recorded; the caller reads it again and raises then
+            with self._lock:
+                self._reserved -= reserved
+            self._fail(key, job, e)
+            if not isinstance(e, Exception):
+                raise
+            return _FAILED
+        with self._lock:
+            self._reserved -= reserved
+            self._counts["loads"] += 1
+            self._counts["bytes_read"] += pending.spec.nbytes
+            self._counts["prefetched"] += 1
+            self._read_seconds += time.perf_counter() - job.t0
+            self._count_hit(key, None, job)
+            if self._jobs.get(key) is job:
+                del self._jobs[key]
+            others = job.waiters - 1  # from now on a get of this chunk reads it again
+        job.future.set_result(array)
+        if others:
+            return self._copy_out(array, None)  # the others copy from ``array``: it stays as read
+        return array
+
     def _settle_started(self, keys: set | None, *, keep: bool) -> None:
         """Finish started prefetches (of ``keys``, or all): their reads write into buffers
-        until they complete. ``keep``: cache them (else they are dropped)."""
+        until they complete. ``keep``: cache them (else they are dropped; so are those started
+        with ``keep=False``)."""
         with self._lock:
             claimed = []
             for key, job in self._jobs.items():
@@ -605,7 +653,7 @@ class DeviceCache:
                     job.pending = None
         interrupted: BaseException | None = None
         for key, job, pending in claimed:
-            if keep:
+            if keep and job.keep:
                 try:
                     self._finish_started(key, job, pending)
                 except BaseException as e:  # Ctrl-C: settle the others first, then raise it

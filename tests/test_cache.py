@@ -706,7 +706,8 @@ class Pending:
         self.results += 1
         if self.fail:
             raise OSError(f"cannot read {self.spec.paths[0]!r} at offset {self.spec.ranges[0].offset}")
-        return np_read(self.spec)
+        self.value = np_read(self.spec)  # the array handed out, for identity checks
+        return self.value
 
 
 class Starter:
@@ -838,6 +839,76 @@ def test_close_waits_for_started_reads(tmp_path):
     threading.Timer(0.05, start.gate.set).start()
     cache.close()
     assert all(p.results == 1 for p in start.started) and cache.stats()["in_flight"] == 0
+
+
+def test_a_chunk_read_ahead_for_one_use_is_handed_over_uncached(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=3)
+    cache = caches("1 MiB", device="cpu")
+    start, load = Starter(), Loader()
+    assert cache.prefetch(specs, load, start=start, keep=False) == 3
+    assert cache.stats()["bytes_reserved"] == sum(s.out_nbytes for s in specs)   # room held while read
+    start.gate.set()
+    assert cache.poll() == 0                             # moved on, never finished: its get takes it
+    got = cache.get(specs[1], load)
+    assert got is start.started[1].value                 # the array as read: no copy
+    np.testing.assert_array_equal(got, np_read(specs[1]))
+    st = cache.stats()
+    assert specs[1] not in cache and (st["prefetched"], st["prefetch_hits"], st["hits"], st["misses"]) == (1, 1, 1, 0)
+    assert st["bytes_held"] == 0 and st["bytes_reserved"] == 2 * specs[0].out_nbytes and st["in_flight"] == 2
+    got[...] = 0                                         # the caller's own: nothing of it is kept
+    np.testing.assert_array_equal(cache.get(specs[1], load), np_read(specs[1]))
+    assert load.calls == [specs[1].key] and specs[1] in cache  # asked again: read again, cached as usual
+    cache.clear()                                        # the two not taken are dropped, their room given back
+    st = cache.stats()
+    assert (st["in_flight"], st["bytes_reserved"], st["bytes_held"]) == (0, 0, 0)
+    assert [p.results for p in start.started] == [1, 1, 1]
+
+
+def test_a_chunk_read_ahead_for_one_use_is_copied_for_each_of_several_getters(tmp_path, caches):
+    """Two threads ask for it while it is read: neither may get the array the other can write into."""
+    _, specs = make_file(tmp_path, nchunks=1)
+    spec = specs[0]
+    cache = caches("1 MiB", device="cpu")
+    start, load = Starter(), Loader()
+    cache.prefetch(specs, load, start=start, keep=False)
+    got = {}
+
+    def second():
+        got["second"] = cache.get(spec, load)
+
+    waiter = threading.Thread(target=second)
+    real_result = start.started[0].result
+
+    def result_once_the_second_waits():  # the first get claims the read; open it once the second waits
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while cache._jobs[spec.key].waiters < 2:
+            assert time.monotonic() < deadline, "the second get never waited"
+            threading.Event().wait(0.001)
+        start.gate.set()
+        return real_result()
+
+    start.started[0].result = result_once_the_second_waits
+    got["first"] = cache.get(spec, load)
+    waiter.join(10)
+    read = start.started[0].value
+    assert got["first"] is not read and got["second"] is not read and got["first"] is not got["second"]
+    for a in got.values():
+        np.testing.assert_array_equal(a, np_read(spec))
+    st = cache.stats()
+    assert load.count == 0 and (st["prefetch_hits"], st["hits"], st["misses"]) == (1, 2, 0)
+    assert spec not in cache and st["bytes_reserved"] == 0
+
+
+def test_a_failed_read_ahead_for_one_use_is_read_again_by_its_get(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=1)
+    cache = caches("1 MiB", device="cpu")
+    start, load = Starter(fail=specs), Loader()
+    cache.prefetch(specs, load, start=start, keep=False)
+    start.gate.set()
+    np.testing.assert_array_equal(cache.get(specs[0], load), np_read(specs[0]))
+    st = cache.stats()
+    assert load.count == 1 and st["errors"] == 1 and st["bytes_reserved"] == 0 and specs[0] in cache
 
 
 def test_get_cached_copies_what_is_cached(tmp_path, caches):

@@ -332,6 +332,40 @@ def test_hit_rate_on_a_reduction(tmp_path, cache, scheduler):
     assert cache._threads == []  # reads started by the scheduler's thread, finished by tasks: no worker threads
 
 
+@pytest.mark.parametrize("scheduler", ["threads", "sync"])
+def test_a_pass_over_more_than_the_cache_hands_its_chunks_over(tmp_path, scheduler):
+    """An LRU cannot keep a pass larger than itself: each chunk read ahead goes to its task as
+    read (no copy), nothing is cached or evicted for it; a chunk two tasks read is cached."""
+    chunk = 16 * 256 * 2
+    cache = DeviceCache(8 * chunk, device="cpu", name=f"test-prefetch-one-use-{scheduler}")
+    try:
+        vol, data = make_volume(tmp_path, n=32, cache=cache)
+        kept = cache.get(vol.chunk_index.specs[(31, 0)], lambda s: data[-16:].copy())  # cached before the pass
+        before = gpulazy.stats().snapshot()["buffers"]["copies"]
+        kw = {"num_workers": 2} if scheduler == "threads" else {}
+        p = gpulazy.prefetch(depth=3)
+        with p:
+            assert int(vol.astype("u8").sum().compute(scheduler=scheduler, **kw)) == int(data.astype("u8").sum())
+        s = cache.stats()
+        assert s["loads"] == 32 and read_share(s) >= 0.9, s  # chunk 31 is a hit of what was cached
+        assert s["prefetched"] == s["prefetch_hits"] and s["evictions"] == 0
+        assert s["entries"] == 1 and s["bytes_held"] == chunk and s["bytes_reserved"] == 0 and s["in_flight"] == 0
+        assert gpulazy.stats().snapshot()["buffers"]["copies"] == before   # nothing copied into the cache
+        np.testing.assert_array_equal(kept, data[-16:])
+
+        cache.clear()
+        cache.reset_stats()
+        twice = gpulazy.from_files(os.path.join(tmp_path, "vol.raw"), shape=data.shape, dtype="uint16",
+                                   chunks=(16, 256), device="cpu", cache=cache, backend="posix")  # other tasks, same chunks
+        with p:
+            got = (vol.astype("u8") + twice.astype("u8")).sum().compute(scheduler=scheduler, **kw)
+        assert int(got) == 2 * int(data.astype("u8").sum())
+        s = cache.stats()
+        assert s["hits"] + s["misses"] == 64 and s["loads"] < 64, s  # the second read of a chunk is served cached
+    finally:
+        cache.close()
+
+
 def test_depth_and_capacity_bound_the_look_ahead(tmp_path, cache):
     vol, data = make_volume(tmp_path, n=24, cache=cache)
     chunk = 16 * 256 * 2

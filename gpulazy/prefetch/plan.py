@@ -337,6 +337,10 @@ class ReadAhead:
         self.windows: list[Any] = []
         self.failed: BaseException | None = None
         self.reads_total = 0
+        self._bytes: dict[int, int] = {}                     # id(cache) -> bytes of the reads through it
+        self._uses: dict[str, int] = {}                      # spec.key -> reads of it
+        #: Read ids whose chunk goes to its task as read, uncached (``cache.prefetch(keep=False)``).
+        self.one_use: set[Hashable] = set()
 
     # -- planning
 
@@ -373,12 +377,24 @@ class ReadAhead:
                 continue
             self._where[rid] = (source, cache)
             self._by_spec[spec.key] = cache
+            self._bytes[id(cache)] = self._bytes.get(id(cache), 0) + spec.out_nbytes
+            self._uses[spec.key] = self._uses.get(spec.key, 0) + 1
             out.append((rid, spec))
         self.reads_total += len(out)
         return out
 
     def start(self, reads: list[tuple[Hashable, ChunkSpec]]) -> None:
-        """Begin with ``reads`` in run order and issue the first window."""
+        """Begin with ``reads`` in run order and issue the first window.
+
+        A computation that reads more bytes through a cache than it holds is a pass an LRU
+        cannot keep: each chunk would be evicted before it could be used again. Its chunks
+        read once are then handed to their tasks as read (``cache.prefetch(keep=False)``), with
+        no copy out of the cache and nothing evicted for them; a chunk several tasks read is
+        cached as usual. Only reads started in this thread (``inline``) can be handed over.
+        """
+        if self.inline:
+            self.one_use = {rid for rid, spec in reads if self._uses.get(spec.key) == 1
+                            and self._bytes[id(self._where[rid][1])] > self._where[rid][1].capacity}
         self.plan = ReadAheadPlan(reads, depth=self.depth, budget=self.budget())
         self.issue()
 
@@ -436,9 +452,12 @@ class ReadAhead:
                 for cache in {id(c): c for c in self._caches.values() if c is not None}.values():
                     cache.poll()
             reads = self.plan.next_reads(gather=True)
-            for (source, cache), specs in self._group(reads).items():
+            for (source, cache, keep), specs in self._group(reads).items():
                 start = getattr(source, "start", None) if self.inline else None
-                cache.prefetch(specs, source.read, start=start)
+                if start is not None and not keep:
+                    cache.prefetch(specs, source.read, start=start, keep=False)
+                else:
+                    cache.prefetch(specs, source.read, start=start)
         except Exception as e:  # read-ahead must never break the computation it serves
             self.failed = e
             warnings.warn(f"gpulazy.prefetch: read-ahead stopped for this computation: {e!r}",
@@ -458,12 +477,12 @@ class ReadAhead:
                 pass
         return n
 
-    def _group(self, reads: list[tuple[Hashable, ChunkSpec]]) -> dict[tuple[Any, Any], list[ChunkSpec]]:
-        groups: dict[tuple[Any, Any], list[ChunkSpec]] = {}
+    def _group(self, reads: list[tuple[Hashable, ChunkSpec]]) -> dict[tuple[Any, Any, bool], list[ChunkSpec]]:
+        groups: dict[tuple[Any, Any, bool], list[ChunkSpec]] = {}
         for rid, spec in reads:
             source, cache = self._where[rid]
-            groups.setdefault((source, _Id(cache)), []).append(spec)
-        return {(source, ref.obj): specs for (source, ref), specs in groups.items()}
+            groups.setdefault((source, _Id(cache), rid not in self.one_use), []).append(spec)
+        return {(source, ref.obj, keep): specs for (source, ref, keep), specs in groups.items()}
 
     def summary(self) -> dict[str, Any]:
         plan = self.plan

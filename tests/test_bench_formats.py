@@ -199,3 +199,28 @@ def test_zstd_head_probe_reads_planes_from_heads_and_less(tmp_path, capsys):
     assert len(rows) == 10
     assert rows[("row2plane", "heads=True")] < rows[("row2plane", "heads=False")] / 2  # MiB read
     assert rows[("whole", "heads=True")] == rows[("whole", "heads=False")]
+
+
+def test_read_timeline_times_each_op_and_draws_its_submissions(tmp_path, capsys):
+    zarr = pytest.importorskip("zarr")
+    from zarr.codecs import ZstdCodec
+
+    sys.path.insert(0, str(BENCH.parent))
+    probe = importlib.import_module("read_timeline")
+    data = np.random.default_rng(4).integers(0, 4096, (16, 64, 64), dtype="u2")
+    p = str(tmp_path / "z.zarr")
+    zarr.create_array(p, shape=data.shape, chunks=(4, 32, 32), dtype="u2", compressors=ZstdCodec(level=1))[...] = data
+    from gpulazy.read import whole
+
+    before = (whole.GROUP, whole.DECODE_GROUP, whole.SETTLERS)
+    assert probe.main([p, "--device", "cpu", "--rounds", "2", "--timeline", "whole,slice", "--sweep"]) == 0
+    assert (whole.GROUP, whole.DECODE_GROUP, whole.SETTLERS) == before  # the sweep's settings put back
+    out = capsys.readouterr().out
+    assert sum(line.split()[0] in ("whole", "slice", "rows", "mip", "mean") and "x the whole" in line
+               for line in out.splitlines()) == 5
+    events = [line.split() for line in out.splitlines() if " submit " in line or " finish " in line]
+    assert any(e[4] == "submit" for e in events) and any(e[4] == "finish" for e in events)
+    assert all(float(e[0]) <= float(e[2]) for e in events)  # each event ends after it starts
+    assert len([line for line in out.splitlines() if line[:22].strip() in probe.SWEEP]) == len(probe.SWEEP)
+    from gpulazy.read import engine
+    assert engine.start.__module__ == "gpulazy.read.engine"  # the timeline's wrappers removed

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +50,19 @@ def test_main_writes_json(bench, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["chunks"] == 4 and data["depth"] == 2 and data["device"] == "cpu"
     assert "ratio prefetch / max(read, compute)" in capsys.readouterr().out
+
+
+def test_prefetch_host_time_times_each_function_and_puts_them_back(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    probe = importlib.import_module("prefetch_host_time")
+    from gpulazy.cache import DeviceCache
+
+    real_get = DeviceCache.get
+    assert probe.main(["sync", "--device", "cpu", "--chunks", "8", "--chunk-mib", "0.25", "--passes", "2"]) == 0
+    assert DeviceCache.get is real_get  # the wrappers removed
+    out = capsys.readouterr().out
+    passes = out.split("== ")[1:]
+    assert [p.split(":")[0] for p in passes] == ["compute alone", "without prefetch", "prefetch"]
+    rows = {line.split()[-1]: float(line.split()[2]) for line in passes[2].splitlines()[1:] if " ms " in line}
+    assert rows["ChunkSource.load"] == 8.0 and rows["ReadAhead.issue"] >= 1  # calls a pass: a load per chunk
+    assert "ReadAhead.issue" not in passes[1] and "ChunkSource.load" not in passes[0]

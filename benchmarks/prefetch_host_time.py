@@ -54,14 +54,14 @@ class Clock:
 
         main = threading.main_thread()
         for module, path in TIMED:
+            *outer, name = path.split(".")
             try:
                 owner = importlib.import_module(module)
-            except ImportError:  # no KvikIO here
+                for part in outer:
+                    owner = getattr(owner, part)
+                real = getattr(owner, name)
+            except (ImportError, AttributeError):  # not in this version of gpulazy
                 continue
-            *outer, name = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
-            real = getattr(owner, name)
             self._saved.append((owner, name, real))
             setattr(owner, name, self._wrap(real, path, main))
         return self

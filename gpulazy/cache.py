@@ -12,8 +12,9 @@ The cache never knows how bytes were read: callers hand it a ``load(spec)`` call
   through a future. If that load raises, every waiter gets the exception and nothing
   is cached.
 - **Copies out**: every array handed out is the caller's own (a hit copies on the
-  device; a miss caches a copy and hands out the loaded array), so writing into a
-  result never corrupts the cache.
+  device; a miss caches a copy and hands out the loaded array; a chunk read ahead with
+  ``keep=False`` is handed out as read and not cached), so writing into a result never
+  corrupts the cache.
 - **Read-ahead that cannot hurt**: ``prefetch`` warms chunks (reads started in the
   caller's thread with ``start=``, else on a few daemon threads), skips those cached,
   in flight or queued, and never evicts a chunk that was

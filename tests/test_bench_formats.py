@@ -184,15 +184,25 @@ def test_gpu_session_formats_mode(tmp_path):
     assert (tmp_path / "data" / "gpulazy-bench-formats").is_dir()
 
 
-def test_zstd_head_probe_reads_planes_from_heads_and_less(tmp_path, capsys):
+def _zstd_store(tmp_path, shape, chunks, seed):
+    """A zstd-1 Zarr of random uint16 values, its path."""
     zarr = pytest.importorskip("zarr")
     from zarr.codecs import ZstdCodec
 
-    sys.path.insert(0, str(BENCH.parent))
-    probe = importlib.import_module("zstd_head_probe")
-    data = np.random.default_rng(3).integers(0, 4096, (16, 256, 256), dtype="u2")
+    data = np.random.default_rng(seed).integers(0, 4096, shape, dtype="u2")
     p = str(tmp_path / "z.zarr")
-    zarr.create_array(p, shape=data.shape, chunks=(4, 256, 256), dtype="u2", compressors=ZstdCodec(level=1))[...] = data
+    zarr.create_array(p, shape=data.shape, chunks=chunks, dtype="u2", compressors=ZstdCodec(level=1))[...] = data
+    return p
+
+
+def _bench_module(name):
+    sys.path.insert(0, str(BENCH.parent))
+    return importlib.import_module(name)
+
+
+def test_zstd_head_probe_reads_planes_from_heads_and_less(tmp_path, capsys):
+    probe = _bench_module("zstd_head_probe")
+    p = _zstd_store(tmp_path, (16, 256, 256), (4, 256, 256), seed=3)
     assert probe.main([p, "--device", "cpu", "--rounds", "2"]) == 0
     rows = {tuple(line.split()[:2]): float(line.split()[-2]) for line in capsys.readouterr().out.splitlines()
             if "heads=" in line}
@@ -202,14 +212,8 @@ def test_zstd_head_probe_reads_planes_from_heads_and_less(tmp_path, capsys):
 
 
 def test_read_timeline_times_each_op_and_draws_its_submissions(tmp_path, capsys):
-    zarr = pytest.importorskip("zarr")
-    from zarr.codecs import ZstdCodec
-
-    sys.path.insert(0, str(BENCH.parent))
-    probe = importlib.import_module("read_timeline")
-    data = np.random.default_rng(4).integers(0, 4096, (16, 64, 64), dtype="u2")
-    p = str(tmp_path / "z.zarr")
-    zarr.create_array(p, shape=data.shape, chunks=(4, 32, 32), dtype="u2", compressors=ZstdCodec(level=1))[...] = data
+    probe = _bench_module("read_timeline")
+    p = _zstd_store(tmp_path, (16, 64, 64), (4, 32, 32), seed=4)
     from gpulazy.read import whole
 
     before = (whole.GROUP, whole.DECODE_GROUP, whole.SETTLERS)

@@ -454,10 +454,7 @@ class ReadAhead:
             reads = self.plan.next_reads(gather=True)
             for (source, cache, keep), specs in self._group(reads).items():
                 start = getattr(source, "start", None) if self.inline else None
-                if start is not None and not keep:
-                    cache.prefetch(specs, source.read, start=start, keep=False)
-                else:
-                    cache.prefetch(specs, source.read, start=start)
+                cache.prefetch(specs, source.read, start=start, keep=keep or start is None)
         except Exception as e:  # read-ahead must never break the computation it serves
             self.failed = e
             warnings.warn(f"gpulazy.prefetch: read-ahead stopped for this computation: {e!r}",

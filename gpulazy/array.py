@@ -484,7 +484,7 @@ def _block_slice(arr: Any, blocks: tuple[range, ...]) -> Any:
     specs = {}
     for k in itertools.product(*blocks):  # the selected blocks only, in C order
         new = tuple(b - r.start for b, r in zip(k, blocks))
-        specs[new] = dataclasses.replace(arr._gl_specs[k], index=new)  # same bytes, same key: the cache is shared
+        specs[new] = arr._gl_specs[k].at(new)  # same bytes, same key: the cache is shared
     chunks = tuple(c[r.start:r.stop] for c, r in zip(arr.chunks, blocks))
     starts = [sum(c[:r.start]) for c, r in zip(arr.chunks, blocks)]
     attrs = dict(idx.attrs)

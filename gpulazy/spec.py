@@ -179,6 +179,11 @@ def head_allowance(decoded: int) -> int:
     return decoded + decoded // 128 + (129 << 10)
 
 
+def _part_key(key: str, *cut: object) -> str:
+    """The key of a part of the chunk keyed ``key``: ``cut`` (how it was cut) determines the part."""
+    return hashlib.blake2b(repr((key, *cut)).encode(), digest_size=16).hexdigest()
+
+
 def _span(ranges: tuple[ByteRange, ...], lo: int, hi: int) -> tuple[ByteRange, ...]:
     """Bytes ``[lo, hi)`` of the concatenation of ``ranges``, as ranges."""
     out, at = [], 0
@@ -241,17 +246,17 @@ class ChunkSpec:
     #: Bytes of the decoded chunk: worked out once, as the cache and the read-ahead plan ask for
     #: it for every chunk they consider, several times a task.
     out_nbytes: int = field(init=False, repr=False, compare=False)
-    #: For a part of another spec (``leading``, ``head``): ``(that spec's key, how it was cut, ...)``,
-    #: which determines the part, so the key hashes that instead of a repr of every range, tile and
-    #: identity again (~40 µs for a chunk of 16 stored pieces, paid per chunk a box cuts on the
-    #: thread that then submits the box's reads). Not stored: the key is.
-    _cut_of: InitVar[tuple | None] = None
+    #: The key, where the maker derived it from another spec's instead of hashing a repr of every
+    #: range, tile and identity again (~40 µs for a chunk of 16 stored pieces, paid per chunk on the
+    #: thread about to submit reads): a part of a chunk (``leading``, ``head``: ``_part_key``), the
+    #: same bytes at another block index (``at``). Not a field: the key is.
+    _key: InitVar[str | None] = None
 
-    def __post_init__(self, _cut_of: tuple | None) -> None:
-        h = hashlib.blake2b(digest_size=16)
-        if _cut_of is not None:
-            h.update(repr(_cut_of).encode())
+    def __post_init__(self, _key: str | None) -> None:
+        if _key is not None:
+            object.__setattr__(self, "key", _key)
         else:
+            h = hashlib.blake2b(digest_size=16)
             # Plain tuples: their repr runs in C, ~3x faster than the dataclasses' (100k-chunk graphs).
             ranges = tuple((r.path, r.offset, r.nbytes) for r in self.ranges)
             identity = tuple(map(tuple, self.identity))  # FileIdentity's repr is Python's, a tuple's C's
@@ -260,7 +265,7 @@ class ChunkSpec:
                 parts += (tuple((t.range is not None, t.shape, t.origin, t.order) for t in self.tiles),
                           repr(self.fill_value))
             h.update(repr(parts).encode())
-        object.__setattr__(self, "key", h.hexdigest())
+            object.__setattr__(self, "key", h.hexdigest())
         object.__setattr__(self, "nbytes", sum(r.nbytes for r in self.ranges))
         object.__setattr__(self, "out_nbytes", math.prod(self.shape) * np.dtype(self.dtype).itemsize)
 
@@ -288,6 +293,16 @@ class ChunkSpec:
                 at += t.range.nbytes
         return out
 
+    def at(self, index: tuple[int, ...]) -> ChunkSpec:
+        """This chunk as block ``index`` (of a slice of whole blocks): the same bytes, so the same key.
+
+        >>> c = ChunkSpec((ByteRange("a", 0, 8),), (8,), "u1", index=(3,))
+        >>> c.at((0,)).index, c.at((0,)).key == c.key
+        ((0,), True)
+        """
+        return ChunkSpec(self.ranges, self.shape, self.dtype, self.order, self.codec, self.identity, tuple(index),
+                         self.tiles, self.fill_value, _key=self.key)
+
     def leading(self, start: int, stop: int) -> ChunkSpec | None:
         """Slices ``[start, stop)`` of the chunk along axis 0 as a chunk of their own (their bytes
         only), or ``None`` when the chunk's bytes are not stored as is in C order (decoded, ``"F"``).
@@ -307,7 +322,7 @@ class ChunkSpec:
         if not self.tiles:
             step = self.out_nbytes // self.shape[0]
             return ChunkSpec(_span(self.ranges, start * step, stop * step), shape, self.dtype, "C",
-                             identity=self.identity, index=self.index, _cut_of=(self.key, "leading", start, stop))
+                             identity=self.identity, index=self.index, _key=_part_key(self.key, "leading", start, stop))
         tiles = []
         steps: dict[tuple[int, ...], int] = {}  # bytes a plane, per tile shape: the tiles share one or two
         for t in self.tiles:
@@ -327,7 +342,7 @@ class ChunkSpec:
             tiles.append(Tile(sub, (b - a,) + tuple(t.shape[1:]), (o + a - start,) + tuple(t.origin[1:]), "C"))
         ranges = tuple(t.range for t in tiles if t.range is not None)
         return ChunkSpec(ranges, shape, self.dtype, "C", identity=self.identity, index=self.index,
-                         tiles=tuple(tiles), fill_value=self.fill_value, _cut_of=(self.key, "leading", start, stop))
+                         tiles=tuple(tiles), fill_value=self.fill_value, _key=_part_key(self.key, "leading", start, stop))
 
     def head(self, start: int, stop: int) -> tuple[int, ChunkSpec] | None:
         """For a read of slices ``[start, stop)`` along axis 0 that ends inside a zstd chunk: ``(first,
@@ -360,7 +375,7 @@ class ChunkSpec:
             codec = Codec.of("head", of=of, size=self.out_nbytes)
             return 0, ChunkSpec(_span(self.ranges, 0, min(self.nbytes, head_allowance(decoded))), (stop,) + rest,
                                 self.dtype, "C", (codec,), identity=self.identity, index=self.index,
-                                fill_value=self.fill_value, _cut_of=(self.key, "head", start, stop))
+                                fill_value=self.fill_value, _key=_part_key(self.key, "head", start, stop))
         met = [t for t in self.tiles if t.origin[0] < stop and t.origin[0] + t.shape[0] > start]
         if not met:
             return None
@@ -379,7 +394,7 @@ class ChunkSpec:
         codec = Codec.of("head", of=of, size=math.prod(shape) * itemsize)
         return first, ChunkSpec(tuple(t.range for t in tiles if t.range is not None), (keep,) + rest, self.dtype,
                                 "C", (codec,), identity=self.identity, index=self.index, tiles=tiles,
-                                fill_value=self.fill_value, _cut_of=(self.key, "head", start, stop))
+                                fill_value=self.fill_value, _key=_part_key(self.key, "head", start, stop))
 
     @property
     def is_head(self) -> bool:

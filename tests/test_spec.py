@@ -1,4 +1,5 @@
-"""``ChunkSpec`` keys: a part of a chunk (``leading``, ``head``) is keyed by the chunk's key and the cut.
+"""``ChunkSpec`` keys: a part of a chunk (``leading``, ``head``) is keyed by the chunk's key and the cut,
+a chunk at another block index (``at``) keeps its key.
 
 A key names the bytes a spec reads: the cache, the in-flight dedupe and the region readers'
 bookkeeping look chunks up by it, so two specs of different bytes must never share one, and
@@ -80,3 +81,14 @@ def test_a_part_reads_its_planes_bytes_of_each_piece():
     assert [(r.path, r.offset, r.nbytes) for r in part.ranges] == [
         ("/store/c/0/0", 3 * plane, 3 * plane), ("/store/c/0/1", 3 * plane, 3 * plane)]
     assert [(t.shape, t.origin) for t in part.tiles] == [((3, 4, 4), (0, 0, 0)), ((3, 4, 4), (0, 4, 0))]
+
+
+def test_a_chunk_at_another_block_index_is_the_same_bytes_and_key():
+    """A slice of whole blocks renumbers its chunks (``ChunkSpec.at``): the cache entries are shared."""
+    spec = _gathered()
+    moved = spec.at((5, 1, 0))
+    assert moved.index == (5, 1, 0) and moved.key == spec.key
+    assert (moved.ranges, moved.tiles, moved.identity, moved.nbytes) == (spec.ranges, spec.tiles, spec.identity,
+                                                                         spec.nbytes)
+    assert pickle.loads(pickle.dumps(moved)).key == spec.key
+    assert dataclasses.replace(spec, index=(5, 1, 0)).key == moved.key  # as a hash of its content gives

@@ -305,6 +305,12 @@ def _array_class() -> type:
                 from gpulazy.read.whole import read_region
 
                 return read_region(base._gl_specs, base._gl_source, base.chunks, base.dtype, region, base._gl_order)
+            chain = getattr(self, "_gl_stream_of", None)
+            if chain is not None and _local_compute(kwargs) and not _active_callbacks(kwargs):
+                self.compute_path = "fast"
+                from gpulazy.read.reduce import run_stream
+
+                return run_stream(*chain)
             if self._fast_path_ok(kwargs):
                 self.compute_path = "fast"
                 return self._read_whole_with_hooks(kwargs.get("callbacks"))
@@ -373,18 +379,7 @@ def _array_class() -> type:
         def _fast_path_ok(self, kwargs: dict) -> bool:
             if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
                 return False
-            import dask
-
-            if set(kwargs) - {"scheduler", "callbacks"}:
-                return False
-            scheduler = kwargs.get("scheduler")
-            if scheduler is None:
-                if dask.config.get("get", None) is not None:
-                    return False
-                scheduler = dask.config.get("scheduler", None)
-            if scheduler is None:
-                return not _distributed_client_active()
-            return isinstance(scheduler, str) and scheduler.lower() in _LOCAL_SCHEDULERS
+            return _local_compute(kwargs)
 
     GpulazyArray.__module__ = __name__
     GpulazyArray.__qualname__ = "GpulazyArray"
@@ -393,8 +388,8 @@ def _array_class() -> type:
 
 def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:
     """A dask array whose graph is one chain (start, a step per group of chunks, the result): ``op`` of
-    ``base`` (cast to ``cast`` first) folded as its chunks are read."""
-    import dask.array as da
+    ``base`` (cast to ``cast`` first) folded as its chunks are read. A gpulazy array, for its
+    ``compute()`` without dask (``_gl_stream_of``)."""
     from dask._task_spec import DataNode, Task, TaskRef
     from dask.array.utils import validate_axis
     from dask.base import tokenize
@@ -426,8 +421,28 @@ def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: An
     key = (name,) + (0,) * len(shape)
     layer[key] = Task(key, stream_result, TaskRef((step, len(groups) - 1)), keepdims)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
-    return da.Array(graph, name, tuple((n,) for n in shape), meta=get_device(base._gl_source.device).meta(
+    out = _array_class()(graph, name, tuple((n,) for n in shape), meta=get_device(base._gl_source.device).meta(
         len(shape), dtype))
+    # Its compute() on a local scheduler with no callback runs this chain without dask (``run_stream``);
+    # dask.compute, callbacks (progress bars, the prefetcher) and clusters run the graph.
+    out._gl_stream_of = (groups, base._gl_source, base.chunks, base.dtype, op, axis, ddof, cast, keepdims)
+    return out
+
+
+def _local_compute(kwargs: dict) -> bool:
+    """Whether a ``compute(**kwargs)`` runs on a local scheduler of this process, with no other option."""
+    import dask
+
+    if set(kwargs) - {"scheduler", "callbacks"}:
+        return False
+    scheduler = kwargs.get("scheduler")
+    if scheduler is None:
+        if dask.config.get("get", None) is not None:
+            return False
+        scheduler = dask.config.get("scheduler", None)
+    if scheduler is None:
+        return not _distributed_client_active()
+    return isinstance(scheduler, str) and scheduler.lower() in _LOCAL_SCHEDULERS
 
 
 def _active_callbacks(kwargs: dict) -> bool:

@@ -168,10 +168,14 @@ def test_fast_path_taken_only_for_plain_local_compute(stack):
 
     with ProgressBar(out=open(os.devnull, "w")):
         assert np.array_equal(vol.compute(), want) and vol.compute_path == "fast"
-    # dask.compute and derived arrays are plain dask; a box off the chunk boundaries keeps a
-    # fast compute of its own, and a reduction is one streamed task.
+    # dask.compute and derived arrays are plain dask; a box off the chunk boundaries and a
+    # streamed reduction keep a fast compute of their own.
     assert np.array_equal(dask.compute(vol)[0], want)
-    assert type(vol[1:] * 1) is da.Array and type(vol.sum()) is da.Array
+    assert type(vol[1:] * 1) is da.Array and type(vol.sum() * 1) is da.Array
+    total = vol.sum()
+    assert total.compute() == want.sum() and total.compute_path == "fast"
+    with dask.config.set(scheduler="processes"):
+        assert total.compute() == want.sum() and total.compute_path == "dask"
     box = vol[1:]
     assert np.array_equal(box.compute(), want[1:]) and box.compute_path == "fast"
     assert box.chunk_index is None  # not the files' own chunks: no fast whole-array path of its own

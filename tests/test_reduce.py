@@ -7,6 +7,7 @@ tree is what ``config fused_reductions=False`` (or an unsupported argument) give
 
 from __future__ import annotations
 
+import dask
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -51,12 +52,15 @@ def test_a_streamed_reduction_equals_numpy(tmp_path_factory, layout, op, dtype, 
     assert "streamed" in r.name and len(r.__dask_graph__()) == 2 * len(groups_of(vol.chunk_index.specs)) + 2
     want = getattr(np, op)(data, axis=axes, keepdims=keepdims)
     got = r.compute()
-    assert r.dtype == want.dtype and np.asarray(got).dtype == want.dtype
-    assert got.shape == want.shape
-    if op in ("max", "min") or np.dtype(dtype).kind in "ui" and op == "sum":
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert r.compute_path == "fast"  # the chain run in this thread (``run_stream``)
+    (through_dask,) = dask.compute(r)  # the same chain as dask tasks
+    for out in (got, through_dask):
+        assert r.dtype == want.dtype and np.asarray(out).dtype == want.dtype
+        assert out.shape == want.shape
+        if op in ("max", "min") or np.dtype(dtype).kind in "ui" and op == "sum":
+            np.testing.assert_array_equal(out, want)
+        else:
+            np.testing.assert_allclose(out, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("ddof", [0, 1])
@@ -115,6 +119,32 @@ def test_a_stream_sent_to_another_process_between_steps_gives_the_same_result(tm
                 stream = stream_step(stream, k)
         np.testing.assert_allclose(stream_result(stream, False), getattr(np, op)(
             data, axis=(0, 2), **({"ddof": 1} if op == "std" else {})), rtol=1e-5)
+
+
+def test_an_interrupted_reduction_settles_every_read_in_flight_before_it_propagates(tmp_path, monkeypatch):
+    """A local compute runs the chain in the calling thread: an interrupt (or a failure) while
+    group 0 folds leaves the groups read ahead in flight, and no read may outlive its compute."""
+    from gpulazy.read import engine, reduce, whole
+
+    data = np.arange(12 * 5 * 4, dtype="<f4").reshape(12, 5, 4)
+    vol = _vol(tmp_path, data, (1, 5, 4))
+    monkeypatch.setattr(whole, "GROUP", 1)  # a group per chunk or two: several groups read ahead
+    started, start = [], engine.start
+
+    def recorded(*args, **kwargs):
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(engine, "start", recorded)
+
+    def interrupted(self, spec, chunk):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reduce._Accumulator, "fold", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        vol.max(axis=0).compute()
+    assert len(started) > 1  # groups after the first were in flight
+    assert all(reads.outcomes[i] is not engine._PENDING for reads in started for i in range(len(reads)))
 
 
 def test_a_damaged_file_raises_with_its_path(tmp_path):

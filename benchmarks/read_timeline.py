@@ -13,6 +13,10 @@ submission's reads, decoding and placing them) and every call of ``CALLS``, in m
 start, with the thread (and a submission's chunks and their stored MiB). The time to build the
 slice (``vol[1:half+1]``, nothing read) is printed apart.
 
+``--first`` times, for each op, how long after its ``compute()`` call its first submission is
+made (the op is stopped there, nothing read): the host's work before any byte moves, medians of
+``--rounds`` x 5 tries.
+
 ``--sweep`` times the whole read, the slice and ``[0:half]`` under several settings of the first
 submission's size (``gpulazy.read.whole.GROUP``), the largest decoding submission
 (``DECODE_GROUP``) and the submissions settling at once (``SETTLERS``), set at run time in one
@@ -137,6 +141,37 @@ class Timeline:
         return time.perf_counter() - self.t0
 
 
+class _Submitted(BaseException):
+    """Raised by the first submission under ``first_submission`` (a ``BaseException``: no handler
+    of an op's own may take it for a read error)."""
+
+
+def first_submission(ops: dict[str, Callable[[], Any]], tries: int) -> dict[str, float]:
+    """Median seconds from each op's call to its first ``engine.start`` (stopped there)."""
+    from gpulazy.read import engine
+
+    real = engine.start
+
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        raise _Submitted(time.perf_counter())
+
+    def until_submitted(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except _Submitted as e:
+            return e.args[0] - t0
+        raise RuntimeError("the op made no engine submission")
+
+    engine.start = stop
+    try:
+        for fn in ops.values():
+            until_submitted(fn)  # warm-up
+        return {name: statistics.median(until_submitted(fn) for _ in range(tries)) for name, fn in ops.items()}
+    finally:
+        engine.start = real
+
+
 def sweep(vol: Any, dev: Any, rounds: int) -> None:
     from gpulazy.read import whole
 
@@ -169,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--timeline", default="whole,slice,mip", help="comma list of ops to draw ('' for none)")
     ap.add_argument("--sweep", action="store_true", help="also time whole, slice and rows under SWEEP's settings")
+    ap.add_argument("--first", action="store_true", help="also time each op up to its first submission")
     args = ap.parse_args(argv)
     import gpulazy
     from gpulazy.device import get_device
@@ -191,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             for a, b, kind, thread, n, mib in sorted(tl.events):
                 what = f"{n:4d} chunks {mib:6d} MiB stored" if kind in ("submit", "finish") else ""
                 print(f"   {a * 1e3:8.2f} -> {b * 1e3:8.2f} ms  {kind:6s} {thread:24s} {what}")
+    if args.first:
+        for name, t in first_submission({name: fn for name, (fn, _) in ops.items()}, 5 * args.rounds).items():
+            print(f"{name:6s} first submission {t * 1e3:.3f} ms after compute() (median)")
     if args.sweep:
         sweep(vol, dev, args.rounds)
     return 0

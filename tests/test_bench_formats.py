@@ -228,3 +228,16 @@ def test_read_timeline_times_each_op_and_draws_its_submissions(tmp_path, capsys)
     assert len([line for line in out.splitlines() if line[:22].strip() in probe.SWEEP]) == len(probe.SWEEP)
     from gpulazy.read import engine
     assert engine.start.__module__ == "gpulazy.read.engine"  # the timeline's wrappers removed
+
+
+def test_read_timeline_times_each_op_up_to_its_first_submission(tmp_path, capsys):
+    probe = _bench_module("read_timeline")
+    p = _zstd_store(tmp_path, (16, 64, 64), (4, 32, 32), seed=5)
+    from gpulazy.read import engine
+
+    real = engine.start
+    assert probe.main([p, "--device", "cpu", "--rounds", "1", "--timeline", "", "--first"]) == 0
+    assert engine.start is real  # put back
+    firsts = {line.split()[0]: float(line.split()[3]) for line in capsys.readouterr().out.splitlines()
+              if "first submission" in line}
+    assert set(firsts) == {"whole", "slice", "rows", "mip", "mean"} and all(0 < t < 1e3 for t in firsts.values())

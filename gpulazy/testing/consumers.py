@@ -163,8 +163,12 @@ def consume_slice(case: Case) -> None:
 
 
 def consume_max(case: Case) -> None:
+    import dask
+
     vol, ref = case.open(), case.reference
-    case.check(vol.max(axis=0).compute(), ref.max(axis=0), "vol.max(axis=0).compute()")
+    mip = vol.max(axis=0)
+    case.check(mip.compute(), ref.max(axis=0), "vol.max(axis=0).compute()")  # the chain in this thread
+    case.check(dask.compute(mip)[0], ref.max(axis=0), "dask.compute(vol.max(axis=0))")  # as dask tasks
 
 
 def consume_sum(case: Case) -> None:

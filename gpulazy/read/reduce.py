@@ -237,10 +237,10 @@ def stream_result(stream: ReduceStream, keepdims: bool) -> Any:
 def run_stream(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
                cast: Any, keepdims: bool) -> Any:
     """The whole chain (start, each step, the result) in the calling thread, as a local compute with
-    no dask callback runs it: dask's compute of the chain cost ~2 ms on the CPU box (its optimising,
-    ordering and a thread hand-off per task) before the first read was submitted, against ~1 ms
-    for the MIP of a (16, 64, 64) array run here. An interrupt or a failure settles the reads in
-    flight before it propagates, as a failing step does."""
+    no dask callback runs it: through dask (its optimising, ordering and a thread hand-off per task)
+    the first read of a 2 GiB Zarr's MIP was submitted 3.2-4.2 ms after ``compute()`` on the CPU box,
+    here 0.34-0.56 ms (``benchmarks/read_timeline.py --first``). An interrupt or a failure settles
+    the reads in flight before it propagates, as a failing step does."""
     stream = stream_start(groups, source, chunks, dtype, op, axis, ddof, cast)
     try:
         for k in range(len(groups)):

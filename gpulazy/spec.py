@@ -248,8 +248,8 @@ class ChunkSpec:
     out_nbytes: int = field(init=False, repr=False, compare=False)
     #: The key, where the maker derived it from another spec's instead of hashing a repr of every
     #: range, tile and identity again (about half of ``leading``'s time for a chunk of 16 stored
-    #: pieces, paid per chunk on the thread about to submit reads): a part of a chunk (``leading``, ``head``: ``_part_key``), the
-    #: same bytes at another block index (``at``). Not a field: the key is.
+    #: pieces, paid per chunk on the thread about to submit reads): a part of a chunk (``leading``,
+    #: ``head``: ``_part_key``), the same bytes at another block index (``at``). Not a field: the key is.
     _key: InitVar[str | None] = None
 
     def __post_init__(self, _key: str | None) -> None:
@@ -341,8 +341,8 @@ class ChunkSpec:
             sub = None if r is None else ByteRange(r.path, r.offset + a * step, (b - a) * step)
             tiles.append(Tile(sub, (b - a,) + tuple(t.shape[1:]), (o + a - start,) + tuple(t.origin[1:]), "C"))
         ranges = tuple(t.range for t in tiles if t.range is not None)
-        return ChunkSpec(ranges, shape, self.dtype, "C", identity=self.identity, index=self.index,
-                         tiles=tuple(tiles), fill_value=self.fill_value, _key=_part_key(self.key, "leading", start, stop))
+        return ChunkSpec(ranges, shape, self.dtype, "C", identity=self.identity, index=self.index, tiles=tuple(tiles),
+                         fill_value=self.fill_value, _key=_part_key(self.key, "leading", start, stop))
 
     def head(self, start: int, stop: int) -> tuple[int, ChunkSpec] | None:
         """For a read of slices ``[start, stop)`` along axis 0 that ends inside a zstd chunk: ``(first,

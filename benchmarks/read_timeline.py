@@ -5,8 +5,8 @@
     python benchmarks/read_timeline.py /tmp/bf/gpulazy-bench-formats/zarr-zstd-3d-*/vol.zarr --sweep
 
 Ops, for ``n`` planes and ``half = n // 2``: the whole array, the slice ``[1:half+1]``, the first
-two chunk rows' planes ``[0:half]``, the MIP ``max(axis=0)`` and ``mean()``. Prints each op's
-median over ``--rounds`` (after two warm-up passes) and its rate as a fraction of the whole read's.
+two chunk rows' planes ``[0:half]``, the MIP ``max(axis=0)``, ``mean()`` and ``astype("f8").sum()``.
+Prints each op's median over ``--rounds`` (after two warm-up passes) and its rate as a fraction of the whole read's.
 Then, for one pass of each op in ``--timeline``, every ``gpulazy.read.engine.start`` (a
 submission: from when it is called to when it returns), every ``Reads._finish`` (waiting for a
 submission's reads, decoding and placing them) and every call of ``CALLS``, in ms from the op's
@@ -47,7 +47,8 @@ def ops_of(vol: Any) -> dict[str, tuple[Callable[[], Any], float]]:
             "slice": (lambda: vol[1:half + 1].compute(), half / vol.shape[0]),
             "rows": (lambda: vol[0:half].compute(), half / vol.shape[0]),
             "mip": (lambda: vol.max(axis=0).compute(), 1.0),
-            "mean": (lambda: vol.mean().compute(), 1.0)}
+            "mean": (lambda: vol.mean().compute(), 1.0),
+            "astype_sum": (lambda: vol.astype("f8").sum().compute(), 1.0)}
 
 
 def timed(fn: Callable[[], Any], dev: Any) -> float:
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = ops_of(vol)
     got = medians({name: fn for name, (fn, _) in ops.items()}, dev, args.rounds)
     for name, (_, share) in ops.items():
-        print(f"{name:6s} {got[name] * 1e3:8.1f} ms  {share * got['whole'] / got[name]:.2f} x the whole read's rate")
+        print(f"{name:10s} {got[name] * 1e3:8.1f} ms  {share * got['whole'] / got[name]:.2f} x the whole read's rate")
     half = vol.shape[0] // 2
     index = statistics.median(timed(lambda: vol[1:half + 1], dev) for _ in range(args.rounds))
     print(f"building the slice [1:{half + 1}] (no read): {index * 1e3:.2f} ms")
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {a * 1e3:8.2f} -> {b * 1e3:8.2f} ms  {kind:6s} {thread:24s} {what}")
     if args.first:
         for name, t in first_submission({name: fn for name, (fn, _) in ops.items()}, 5 * args.rounds).items():
-            print(f"{name:6s} first submission {t * 1e3:.3f} ms after compute() (median)")
+            print(f"{name:10s} first submission {t * 1e3:.3f} ms after compute() (median)")
     if args.sweep:
         sweep(vol, dev, args.rounds)
     return 0

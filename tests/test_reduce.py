@@ -342,6 +342,27 @@ def test_a_box_cut_along_axis_0_reads_only_its_planes(tmp_path, device):
     np.testing.assert_array_equal(to_host(vol[3:35, 1:4].compute()), data[3:35, 1:4])
 
 
+def test_a_box_submits_its_whole_chunks_before_working_out_the_parts_it_cuts(tmp_path, monkeypatch):
+    # The parts of the chunks a box cuts (``ChunkSpec.leading``) are made as the submissions reach
+    # them, while the whole chunks' reads are in flight: on a Zarr volume of 16 stored chunks a
+    # block they were most of the host's time before the first read.
+    from gpulazy.read import engine, whole
+    from gpulazy.spec import ChunkSpec
+
+    data = np.random.default_rng(7).integers(0, 999, (64, 6, 5)).astype("<u2")
+    vol = _vol(tmp_path, data, (16, 6, 5))  # a box [3:35] cuts chunks 0 and 2, holds chunk 1
+    made, submitted = [], []
+    real_leading, real_start = ChunkSpec.leading, engine.start
+    monkeypatch.setattr(ChunkSpec, "leading", lambda self, a, b: made.append(self.index) or real_leading(self, a, b))
+    monkeypatch.setattr(engine, "start", lambda specs, *a, **k: submitted.append(
+        ([s.index for s in specs], len(made))) or real_start(specs, *a, **k))
+    monkeypatch.setattr(whole, "GROUP", 1)  # a submission per chunk
+    np.testing.assert_array_equal(vol[3:35].compute(), data[3:35])
+    assert submitted[0] == ([(1, 0, 0)], 1)  # the whole chunk first, one part made (to close its group)
+    assert sorted(i for ids, _ in submitted for i in ids) == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
+    assert sorted(made) == [(0, 0, 0), (2, 0, 0)]
+
+
 @given(planes=st.integers(2, 40), stored=st.tuples(st.integers(1, 12), st.integers(1, 7), st.integers(1, 9)),
        lo=st.integers(0, 39), n=st.integers(1, 40), missing=st.booleans())
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

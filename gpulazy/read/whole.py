@@ -18,7 +18,7 @@ import itertools
 import math
 import threading
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from gpulazy.device import get_device
 from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "held_bytes",
+__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "iter_groups", "held_bytes",
            "inflight_room", "settle_later", "settle_pool", "settle_slots", "settlers", "stream_calls", "GROUP",
            "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
 
@@ -130,28 +130,32 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
         _copy_part(out, dst, entry, src, dev)
 
     with dev.activate():
+        cut = []  # (chunk, slices in it, slices in ``out``) of each chunk the box cuts and the cache lacks
         for spec in needed:
             src, dst, whole = _overlap(spec.index, edges, region)
             if whole:
                 view = out[dst + (Ellipsis,)]
                 if not (cache is not None and _hit(cache, spec, view)):
                     todo.append((spec, view))
-                continue
-            if cache is not None and not cache.visit(
+            elif cache is None or cache.visit(
                     [spec], lambda spec, entry, src=src, dst=dst: copy_hit(spec, entry, src, dst)):
-                continue  # cached: its part copied straight out of the cache's entry (waited for)
-            part = None if source.verify else _slab(spec, src)
-            found = None if source.verify or part is not None else spec.head(src[0].start, src[0].stop)
-            if found is not None:
-                first, part = found
-                heads[part.key] = spec
-                src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
-            if part is not None and part.shape == tuple(s.stop - s.start for s in src):
-                todo.append((part, out[dst + (Ellipsis,)]))  # its bytes alone, or its planes from a head
-            else:
-                part = part or spec
-                cuts[part.key] = (src, dst)
-                todo.append((part, None))
+                cut.append((spec, src, dst))  # else cached: its part copied straight out of the cache's entry
+
+        def parts():
+            """What is read of each chunk the box cuts: the part it needs, or all of it."""
+            for spec, src, dst in cut:
+                part = None if source.verify else _slab(spec, src)
+                found = None if source.verify or part is not None else spec.head(src[0].start, src[0].stop)
+                if found is not None:
+                    first, part = found
+                    heads[part.key] = spec
+                    src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
+                if part is not None and part.shape == tuple(s.stop - s.start for s in src):
+                    yield part, out[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
+                else:
+                    part = part or spec
+                    cuts[part.key] = (src, dst)
+                    yield part, None
 
         def landed(spec: ChunkSpec, arr: Any) -> None:
             done.add(spec.key)
@@ -159,14 +163,23 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 src, dst = cuts[spec.key]
                 _copy_part(out, dst, arr, src, dev)
 
-        # Heads first, in a submission of their own (``read_in_order``): they decode on the host's
-        # cores while the next submission reads. Last, they waited behind the whole chunks' share of
-        # those cores.
-        todo.sort(key=lambda item: item[0].key not in heads)
+        if any(spec.codec is not None for spec, _, _ in cut):
+            # Heads first, in a submission of their own (``read_in_order``): they decode on the host's
+            # cores while the next submission reads. Last, they waited behind the whole chunks' share of
+            # those cores.
+            todo.extend(parts())
+            todo.sort(key=lambda item: item[0].key not in heads)
+            reads, like = todo, None
+        else:
+            # The whole chunks go first, and the cut ones' parts are worked out as the submissions
+            # reach them, while the first reads are in flight: a slice of a Zarr volume of 16 stored
+            # chunks a block spent most of its time before its first read on eight blocks' parts.
+            # (No head among them, so the read below raises no ``HeadShort``, and ``todo`` need not list them.)
+            reads, like = itertools.chain(tuple(todo), parts()), needed
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
         limit = max(STAGED, inflight_room(dev))
         try:
-            read_in_order(todo, source.backend_instance(), source.verify, landed, limit)
+            read_in_order(reads, source.backend_instance(), source.verify, landed, limit, like=like)
         except ChunkDecodeError as e:
             if not isinstance(e.__cause__, HeadShort):
                 raise
@@ -238,7 +251,8 @@ def _read_in_groups(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: boo
     read_in_order(todo, backend, verify, landed, max(STAGED, inflight_room(backend.device)))
 
 
-def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool, landed: Any, limit: int) -> None:
+def read_in_order(todo: Iterable[tuple[ChunkSpec, Any]], backend: Any, verify: bool, landed: Any, limit: int, *,
+                  like: list[ChunkSpec] | None = None) -> None:
     """Read ``todo``'s chunks in order, a submission per ``GROUP`` bytes (growing for chunks that
     decode, see ``_decode_group``), calling ``landed(spec, arr)``
     for each as its submission is finished (in order).
@@ -248,19 +262,24 @@ def read_in_order(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: bool,
     ``limit``: the oldest submission is finished before the next would pass it, so reading the
     next submissions overlaps what ``landed`` does with this one. The first error is raised
     once every submitted read has settled; ``landed`` is not called after it.
+
+    ``todo`` may be an iterator whose chunks are made as submissions need them (each group once
+    the next chunk is seen not to fit in it); then ``like``, the chunks they are made of, sizes
+    the submissions and the threads that settle them, and holds no head (``ChunkSpec.head``).
     """
     from gpulazy.read.engine import start
 
-    grow_to = _decode_group(todo, limit)
+    sizing = [s for s, _ in todo] if like is None else like
+    grow_to = _decode_group(sizing, limit)
     # A submission of heads (``ChunkSpec.head``) holds heads alone: they decode on the host's
     # cores, and beside them whole zstd chunks went to those cores too (of nvCOMP's share).
-    apart = (lambda item: item[0].is_head) if any(spec.is_head for spec, _ in todo) else None
-    groups = groups_by_bytes(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=apart)
+    apart = (lambda item: item[0].is_head) if any(spec.is_head for spec in sizing) else None
+    groups = iter_groups(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=apart)
+    several = len(sizing) > 1 and (apart is not None or sum(s.nbytes for s in sizing) > GROUP)
+    settler = _Settler(threaded=several and grow_to is not None, workers=settlers(sizing, limit, grow_to or GROUP))
     inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
-    settler = _Settler(threaded=len(groups) > 1 and grow_to is not None,
-                       workers=settlers([s for s, _ in todo], limit, grow_to or GROUP))
 
     def hand_out() -> None:
         nonlocal held
@@ -392,40 +411,48 @@ def settle_slots(n: int) -> threading.BoundedSemaphore:
     return threading.BoundedSemaphore(n)
 
 
-def _decode_group(todo: list[tuple[ChunkSpec, Any]], limit: int) -> int | None:
+def _decode_group(specs: list[ChunkSpec], limit: int) -> int | None:
     """How large submissions of chunks of stored pieces may grow: a quarter of ``limit``, at most
     ``DECODE_GROUP``; None when no chunk is decoded. nvCOMP decodes one stream per thread block, so
     a call needs hundreds of pieces to fill a GPU: in 256 MiB groups, 8 MiB zstd pieces went 32 to
     a call and a 4 GiB Zarr decoded at 9.9 GB/s against nvCOMP's 35 on 256 pieces."""
-    if not any(spec.is_assembled for spec, _ in todo):
+    if not any(spec.is_assembled for spec in specs):
         return None
     return max(GROUP, min(limit // 4, DECODE_GROUP))
 
 
-def groups_by_bytes(items: list, nbytes: Any, size: int | None = None, grow_to: int | None = None,
+def groups_by_bytes(items: Iterable, nbytes: Any, size: int | None = None, grow_to: int | None = None,
                     bound: tuple[Any, int] | None = None, apart: Any = None) -> list[list]:
     """Consecutive ``items`` in groups of about ``size`` bytes (default ``GROUP``; ``nbytes(item)``
     each), none empty. With ``grow_to``, each group may be twice its predecessor, up to
     ``grow_to`` bytes: the first lands soon, the later ones are large. With ``bound`` (``(measure,
     most)``), a group also holds at most ``most`` of ``measure(item)`` (one item always). With
     ``apart``, consecutive items for which it differs are in different groups."""
+    return list(iter_groups(items, nbytes, size, grow_to, bound, apart))
+
+
+def iter_groups(items: Iterable, nbytes: Any, size: int | None = None, grow_to: int | None = None,
+                bound: tuple[Any, int] | None = None, apart: Any = None) -> Iterator[list]:
+    """``groups_by_bytes``, each group handed on as soon as the item after it is seen."""
     size = GROUP if size is None else size
     measure, most = bound if bound is not None else (lambda item: 0, math.inf)
     kind = apart or (lambda item: None)
-    groups: list[list] = [[]]
+    group: list = []
     held = other = 0
     last = None
     for item in items:
         n, m, k = nbytes(item), measure(item), kind(item)
-        if groups[-1] and (held + n > size or other + m > most or k != last):
-            groups.append([])
+        if group and (held + n > size or other + m > most or k != last):
+            yield group
+            group = []
             held = other = 0
             size = max(size, min(2 * size, grow_to or 0))
         last = k
-        groups[-1].append(item)
+        group.append(item)
         held += n
         other += m
-    return [g for g in groups if g]
+    if group:
+        yield group
 
 
 def held_bytes(spec: ChunkSpec, dest: Any = None) -> int:

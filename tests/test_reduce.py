@@ -417,6 +417,14 @@ def test_a_reduction_after_astype_equals_numpy_on_the_cast_array(tmp_path_factor
     got = r.compute()
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    # The cast array itself (its graph built by gpulazy, not by dask's ``astype``) is the cast data,
+    # block by block and through other ops, named by what it casts.
+    c = vol.astype(cast)
+    assert c.dtype == np.dtype(cast) and c.chunks == vol.chunks and c.name == vol.astype(cast).name
+    assert c.name != vol.astype("f2").name
+    np.testing.assert_array_equal(c.compute(), data.astype(cast))
+    np.testing.assert_array_equal((c[tuple(slice(0, n) for n in chunks)] * 1).compute(),
+                                  data.astype(cast)[tuple(slice(0, n) for n in chunks)])
 
 
 # -- the first planes of a zstd chunk: decoded alone, from a head of its bytes -------------------

@@ -169,7 +169,8 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             # those cores.
             todo.extend(parts())
             todo.sort(key=lambda item: item[0].key not in heads)
-            reads, like = todo, None
+            reads: Iterable[tuple[ChunkSpec, Any]] = todo
+            like: list[ChunkSpec] | None = None
         else:
             # The whole chunks go first, and the cut ones' parts are worked out as the submissions
             # reach them, while the first reads are in flight: a slice of a Zarr volume of 16 stored
@@ -189,12 +190,12 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             for spec, dest in todo:
                 if spec.key in done:
                     continue
-                whole = heads.get(spec.key)
-                if whole is None:
+                chunk = heads.get(spec.key)
+                if chunk is None:
                     rest.append((spec, dest))
                 else:
-                    cuts[whole.key] = _overlap(whole.index, edges, region)[:2]
-                    rest.append((whole, None))
+                    cuts[chunk.key] = _overlap(chunk.index, edges, region)[:2]
+                    rest.append((chunk, None))
             read_in_order(rest, source.backend_instance(), source.verify, landed, limit)
     return out
 
@@ -370,7 +371,11 @@ def settle_later(reads: Any, slots: threading.Semaphore | None = None) -> Callab
                 slots.release()
 
     future = settle_pool().submit(settle)
-    return lambda: concurrent.futures.wait([future])
+
+    def wait() -> None:
+        concurrent.futures.wait([future])
+
+    return wait
 
 
 @functools.cache

@@ -165,8 +165,11 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
 
         if any(spec.codec is not None for spec, _, _ in cut):
             # Heads first, in a submission of their own (``read_in_order``): they decode on the host's
-            # cores while the next submission reads. Last, they waited behind the whole chunks' share of
-            # those cores.
+            # cores while the next submissions read. Last, they waited behind the whole chunks' share of
+            # those cores. (On an H200 the submission after them took 19.5 ms, not 1.4, its ``pread``
+            # calls waiting for the GIL while they decoded; holding their decode until it was out did not
+            # change the slice's time: see
+            # benchmarks/RESULTS.md, eighteenth session.)
             todo.extend(parts())
             todo.sort(key=lambda item: item[0].key not in heads)
             reads: Iterable[tuple[ChunkSpec, Any]] = todo

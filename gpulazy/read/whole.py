@@ -168,8 +168,7 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             # cores while the next submissions read. Last, they waited behind the whole chunks' share of
             # those cores. (On an H200 the submission after them took 19.5 ms, not 1.4, its ``pread``
             # calls waiting for the GIL while they decoded; holding their decode until it was out did not
-            # change the slice's time: see
-            # benchmarks/RESULTS.md, eighteenth session.)
+            # change the slice's time: see benchmarks/RESULTS.md, eighteenth session.)
             todo.extend(parts())
             todo.sort(key=lambda item: item[0].key not in heads)
             reads: Iterable[tuple[ChunkSpec, Any]] = todo

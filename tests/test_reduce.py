@@ -474,6 +474,26 @@ def test_planes_of_a_zstd_chunk_decode_from_a_head_of_its_bytes(tmp_path, device
     assert read == (sum(stored) if gathered else stored[0] + stored[1] + head_allowance(plane))
 
 
+def test_a_box_of_a_zstd_zarr_reads_its_heads_last_and_settles_them_without_a_slot(tmp_path, monkeypatch):
+    # Heads decode on the host's cores: submitted first, they decoded while the whole chunks' reads
+    # kept those cores busy (35 ms for 64 heads on an H200) and held a settle slot the last nvCOMP
+    # call then waited for. Last, they land when the cores are free and settle beside nvCOMP's calls.
+    from gpulazy.read import engine, whole
+
+    data = np.random.default_rng(11).integers(0, 999, (48, 32, 32)).astype("<u2")
+    _, vol = _zstd_vol(tmp_path, data, (16, 32, 32))  # a box [3:33] cuts chunks 0 and 2 (a head), holds chunk 1
+    submitted, slotted = [], []
+    real_start, real_later = engine.start, whole.settle_later
+    monkeypatch.setattr(engine, "start", lambda specs, *a, **k: submitted.append(
+        [(s.index, s.is_head) for s in specs]) or real_start(specs, *a, **k))
+    monkeypatch.setattr(whole, "settle_later", lambda reads, slots=None: slotted.append(
+        (all(s.is_head for s in reads.specs), slots is not None)) or real_later(reads, slots))
+    monkeypatch.setattr(whole, "GROUP", 1)  # a submission per chunk
+    np.testing.assert_array_equal(vol[3:33].compute(), data[3:33])
+    assert submitted == [[((1, 0, 0), False)], [((0, 0, 0), False)], [((2, 0, 0), True)]]
+    assert slotted == [(False, True), (False, True), (True, False)]
+
+
 @given(layout=boxes(), short=st.booleans(), checksum=st.booleans(), gathered=st.booleans())
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_a_box_of_a_zstd_zarr_equals_the_file(tmp_path_factory, layout, short, checksum, gathered):

@@ -7,8 +7,8 @@ thread (for chunks that decode, each may double the last, up to ``DECODE_GROUP``
 call per submission wants many pieces). Stored bytes waiting to decode are held to ``STAGED``
 bytes, or an eighth of a GPU's free memory (at most 4 GiB) when that is more (a submission is
 finished before the next one would pass that), and up to ``SETTLERS`` submissions decode at
-once on threads of their own (``STREAM_SETTLERS`` for Deflate, ``settlers``), so reading the
-next groups overlaps decoding these."""
+once on threads of their own, as the bytes held allow (``STREAM_SETTLERS`` for Deflate,
+``settlers``), so reading the next groups overlaps decoding these."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_
 GROUP = 256 << 20
 STAGED = 512 << 20
 DECODE_GROUP = 1 << 30
-SETTLERS = 2
+SETTLERS = 3
 #: Submissions of Deflate chunks (``codecs.stream_bound``) that decode at once: each nvCOMP call
 #: takes about one stream's time whatever its size, so four calls of 256 pieces of 4 MiB run in
 #: the time of one (an H100 decoded 2 MiB gzip-1 pieces at 5.7 GB/s in one call of 512, 12.6 in
@@ -164,13 +164,14 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 _copy_part(out, dst, arr, src, dev)
 
         if any(spec.codec is not None for spec, _, _ in cut):
-            # Heads first, in a submission of their own (``read_in_order``): they decode on the host's
-            # cores while the next submissions read. Last, they waited behind the whole chunks' share of
-            # those cores. (On an H200 the submission after them took 19.5 ms, not 1.4, its ``pread``
-            # calls waiting for the GIL while they decoded; holding their decode until it was out did not
-            # change the slice's time: see benchmarks/RESULTS.md, eighteenth session.)
+            # Heads last, in a submission of their own (``read_in_order``) that takes no settle slot: they
+            # decode on the host's cores once the whole chunks' reads have landed, beside nvCOMP's calls.
+            # First, they decoded while KvikIO's threads held every core (35 ms for 64 heads on an H200,
+            # the submission after them 24 ms instead of 1.4) and kept a slot the last nvCOMP call waited
+            # for: [1:129] of a 2 GiB zstd Zarr took 60-62 ms that way, 53-57 this way (RESULTS.md,
+            # nineteenth session).
             todo.extend(parts())
-            todo.sort(key=lambda item: item[0].key not in heads)
+            todo.sort(key=lambda item: item[0].key in heads)
             reads: Iterable[tuple[ChunkSpec, Any]] = todo
             like: list[ChunkSpec] | None = None
         else:
@@ -279,7 +280,9 @@ def read_in_order(todo: Iterable[tuple[ChunkSpec, Any]], backend: Any, verify: b
     apart = (lambda item: item[0].is_head) if any(spec.is_head for spec in sizing) else None
     groups = iter_groups(todo, lambda item: item[0].nbytes, grow_to=grow_to, apart=apart)
     several = len(sizing) > 1 and (apart is not None or sum(s.nbytes for s in sizing) > GROUP)
-    settler = _Settler(threaded=several and grow_to is not None, workers=settlers(sizing, limit, grow_to or GROUP))
+    threaded = several and grow_to is not None
+    workers = settlers(sizing, limit, _largest_group(sizing, grow_to) if threaded else GROUP)
+    settler = _Settler(threaded=threaded, workers=workers)
     inflight: deque = deque()  # (reads, its wait, group, bytes held) submitted and not yet handed out
     held = 0
     errors: list[BaseException] = []
@@ -310,7 +313,8 @@ def read_in_order(todo: Iterable[tuple[ChunkSpec, Any]], backend: Any, verify: b
             except BaseException as e:
                 errors.append(e)
                 break
-            inflight.append((reads, settler.add(reads), group, nbytes))
+            # Heads decode on the host's cores and hold no nvCOMP scratch: they take no settle slot.
+            inflight.append((reads, settler.add(reads, slot=not group[0][0].is_head), group, nbytes))
             held += nbytes
         while inflight:
             hand_out()
@@ -327,13 +331,16 @@ class _Settler:
     decode at once; chunks read as stored have nothing to decode and settle inline. Chunks are
     still handed out (``landed``) on the caller's thread, in order.
 
-    Why two (``SETTLERS``; Deflate may take ``STREAM_SETTLERS``, see ``settlers``): a settle thread
-    waits on each submission's nvCOMP call, so the next submission's framing, walks and placement
-    go on meanwhile. On an H100 a 4 GiB zstd Zarr (8 MiB chunks) read at 23.7 and 19.3 GB/s with
-    one settle thread and 24.4 and 20.7 with two (two calls, 1 GiB submissions); four threads
-    with 512 MiB submissions gave 18–19, and LZ4 fell from 10.8 to 9.4: the settle threads'
-    Python then holds up the thread submitting reads (its 512 ``pread`` calls took 240 ms
-    instead of 55), so more threads buy nothing for zstd or LZ4.
+    Why several (``SETTLERS``; Deflate may take ``STREAM_SETTLERS``, see ``settlers``): a settle
+    thread waits on each submission's nvCOMP call, so the next submission's framing, walks and
+    placement go on meanwhile. On an H100 a 4 GiB zstd Zarr (8 MiB chunks) read at 23.7 and 19.3
+    GB/s with one settle thread and 24.4 and 20.7 with two (two calls, 1 GiB submissions); four
+    threads with 512 MiB submissions gave 18–19, and LZ4 fell from 10.8 to 9.4: the settle threads'
+    Python then holds up the thread submitting reads (its 512 ``pread`` calls took 240 ms instead
+    of 55). Three, as the bytes held allow, for a read of a few submissions: an 8 MiB zstd frame
+    takes nvCOMP 18 ms however many decode beside it (H200), so a submission that waits for a slot
+    adds its whole call to the read ([0:128] of a 2 GiB Zarr, three submissions: 53 ms with two at
+    once, 47 with three); larger reads make submissions too large for a third to fit.
     The threads outlive a read: each keeps its CUDA stream (``gpulazy_stream``) for the next.
     """
 
@@ -341,12 +348,12 @@ class _Settler:
         self._slots = threading.BoundedSemaphore(max(1, workers)) if threaded else None
         self._waits: list[Callable[[], None]] = []
 
-    def add(self, reads: Any) -> Callable[[], Any]:
+    def add(self, reads: Any, slot: bool = True) -> Callable[[], Any]:
         """Queue ``reads``; returns what to call to wait until it is settled (with no thread, that
-        call settles it)."""
+        call settles it). ``slot=False``: it settles at once, outside the bound of ``workers``."""
         if self._slots is None:
             return reads.settle
-        wait = settle_later(reads, self._slots)
+        wait = settle_later(reads, self._slots if slot else None)
         self._waits.append(wait)
         return wait
 
@@ -416,6 +423,15 @@ def settle_slots(n: int) -> threading.BoundedSemaphore:
     """A process-wide bound of ``n`` submissions settling at once (for readers that settle one
     submission per call, ``gpulazy.read.reduce``)."""
     return threading.BoundedSemaphore(n)
+
+
+def _largest_group(specs: list[ChunkSpec], grow_to: int | None) -> int:
+    """Stored bytes of the largest submission ``read_in_order`` makes of ``specs`` that takes a settle
+    slot (heads take none). A read of half an array makes smaller submissions than ``grow_to``: more
+    of them settle at once within the same bytes."""
+    sizes = [sum(s.nbytes for s in group) for group in iter_groups(specs, lambda s: s.nbytes, grow_to=grow_to,
+                                                                   apart=lambda s: s.is_head) if not group[0].is_head]
+    return max(sizes, default=GROUP)
 
 
 def _decode_group(specs: list[ChunkSpec], limit: int) -> int | None:

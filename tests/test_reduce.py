@@ -474,7 +474,7 @@ def test_planes_of_a_zstd_chunk_decode_from_a_head_of_its_bytes(tmp_path, device
     assert read == (sum(stored) if gathered else stored[0] + stored[1] + head_allowance(plane))
 
 
-def test_a_box_of_a_zstd_zarr_reads_its_heads_last_and_settles_them_without_a_slot(tmp_path, monkeypatch):
+def test_a_box_of_a_zstd_zarr_reads_its_cut_chunks_first_and_its_heads_last_without_a_slot(tmp_path, monkeypatch):
     # Heads decode on the host's cores: submitted first, they decoded while the whole chunks' reads
     # kept those cores busy (35 ms for 64 heads on an H200) and held a settle slot the last nvCOMP
     # call then waited for. Last, they land when the cores are free and settle beside nvCOMP's calls.
@@ -490,7 +490,8 @@ def test_a_box_of_a_zstd_zarr_reads_its_heads_last_and_settles_them_without_a_sl
         (all(s.is_head for s in reads.specs), slots is not None)) or real_later(reads, slots))
     monkeypatch.setattr(whole, "GROUP", 1)  # a submission per chunk
     np.testing.assert_array_equal(vol[3:33].compute(), data[3:33])
-    assert submitted == [[((1, 0, 0), False)], [((0, 0, 0), False)], [((2, 0, 0), True)]]
+    # the cut chunk first (copied in part as it lands), the chunk held whole next, the head last
+    assert submitted == [[((0, 0, 0), False)], [((1, 0, 0), False)], [((2, 0, 0), True)]]
     assert slotted == [(False, True), (False, True), (True, False)]
 
 

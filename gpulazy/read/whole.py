@@ -164,14 +164,15 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 _copy_part(out, dst, arr, src, dev)
 
         if any(spec.codec is not None for spec, _, _ in cut):
-            # Heads last, in a submission of their own (``read_in_order``) that takes no settle slot: they
-            # decode on the host's cores once the whole chunks' reads have landed, beside nvCOMP's calls.
-            # First, they decoded while KvikIO's threads held every core (35 ms for 64 heads on an H200,
-            # the submission after them 24 ms instead of 1.4) and kept a slot the last nvCOMP call waited
-            # for: [1:129] of a 2 GiB zstd Zarr took 60-62 ms that way, 53-57 this way (RESULTS.md,
-            # nineteenth session).
+            # The chunks the box cuts first: each is copied in part as it lands (``landed``, on this
+            # thread), while the later submissions decode, not after the last. Heads last, in a
+            # submission of their own (``read_in_order``) that takes no settle slot: they decode on the
+            # host's cores once the other reads have landed, beside nvCOMP's calls. First, they decoded
+            # while KvikIO's threads held every core (35 ms for 64 heads on an H200, the submission after
+            # them 24 ms instead of 1.4) and kept a slot the last nvCOMP call waited for: [1:129] of a
+            # 2 GiB zstd Zarr took 60-62 ms that way, 53-57 with heads last (RESULTS.md, nineteenth session).
             todo.extend(parts())
-            todo.sort(key=lambda item: item[0].key in heads)
+            todo.sort(key=lambda item: 2 if item[0].key in heads else 0 if item[1] is None else 1)
             reads: Iterable[tuple[ChunkSpec, Any]] = todo
             like: list[ChunkSpec] | None = None
         else:

@@ -495,27 +495,6 @@ def test_a_box_of_a_zstd_zarr_reads_its_cut_chunks_first_and_its_heads_last_with
     assert slotted == [(False, True), (False, True), (True, False)]
 
 
-def test_a_box_of_stored_chunks_reads_its_cut_parts_between_its_first_and_its_last_whole_chunks(tmp_path,
-                                                                                              monkeypatch):
-    # The last submission's settling is the read's tail: whole chunks settle faster per byte than cut
-    # parts (small pieces to place, a file to stat for each), so they go last; the first submission is
-    # whole chunks too, so nothing is worked out before the first read.
-    from gpulazy.read import engine, whole
-
-    data = np.random.default_rng(12).integers(0, 999, (64, 32, 32)).astype("<u2")
-    path = str(tmp_path / "v.raw")
-    data.tofile(path)
-    vol = gpulazy.from_files(path, shape=data.shape, dtype="<u2", chunks=(16, 32, 32), device="cpu", cache=False)
-    submitted = []
-    real_start = engine.start
-    monkeypatch.setattr(engine, "start", lambda specs, *a, **k: submitted.append(
-        [(s.index[0], s.shape[0]) for s in specs]) or real_start(specs, *a, **k))
-    monkeypatch.setattr(whole, "GROUP", 16 * 32 * 32 * 2)  # a chunk's bytes: one whole chunk a submission
-    np.testing.assert_array_equal(vol[3:49].compute(), data[3:49])  # cuts chunks 0 and 3, holds 1 and 2
-    # (chunk index, planes read): chunk 1 first, the cut parts of 0 and 3 together next, chunk 2 last
-    assert submitted == [[(1, 16)], [(0, 13), (3, 1)], [(2, 16)]]
-
-
 @given(layout=boxes(), short=st.booleans(), checksum=st.booleans(), gathered=st.booleans())
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_a_box_of_a_zstd_zarr_equals_the_file(tmp_path_factory, layout, short, checksum, gathered):

@@ -176,16 +176,11 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             reads: Iterable[tuple[ChunkSpec, Any]] = todo
             like: list[ChunkSpec] | None = None
         else:
-            # The first submission's whole chunks go first, and the cut ones' parts are worked out as
-            # the submissions reach them, while the first reads are in flight: a slice of a Zarr volume
-            # of 16 stored chunks a block spent most of its time before its first read on eight blocks'
-            # parts. The other whole chunks go last: the last submission's settling is the read's
-            # tail, and cut parts (small pieces to place, a file to stat for each) settled in 2.5 ms
-            # after their bytes were in, whole chunks in 1.1 ([1:129] of a 2 GiB Zarr of (64, 256, 256)
-            # chunks on an H200). (No head among them, so the read below raises no ``HeadShort``, and
-            # ``todo`` need not list them.)
-            first = _first_submission(todo)
-            reads, like = itertools.chain(tuple(todo[:first]), parts(), tuple(todo[first:])), needed
+            # The whole chunks go first, and the cut ones' parts are worked out as the submissions
+            # reach them, while the first reads are in flight: a slice of a Zarr volume of 16 stored
+            # chunks a block spent most of its time before its first read on eight blocks' parts.
+            # (No head among them, so the read below raises no ``HeadShort``, and ``todo`` need not list them.)
+            reads, like = itertools.chain(tuple(todo), parts()), needed
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
         limit = max(STAGED, inflight_room(dev))
         try:
@@ -207,18 +202,6 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                     rest.append((chunk, None))
             read_in_order(rest, source.backend_instance(), source.verify, landed, limit)
     return out
-
-
-def _first_submission(todo: list[tuple[ChunkSpec, Any]]) -> int:
-    """How many of ``todo``'s first chunks ``read_in_order`` submits first (``iter_groups``: up to
-    ``GROUP`` bytes, at least one)."""
-    n = held = 0
-    for spec, _ in todo:
-        if n and held + spec.nbytes > GROUP:
-            break
-        held += spec.nbytes
-        n += 1
-    return n
 
 
 def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:

@@ -131,6 +131,16 @@ class PeakSampler:
         self._thread.join()
 
 
+def time_pass(cache: Any, dev: Any, fn: Callable[[], Any]) -> float:
+    """Seconds of one pass ``fn()``: the cache emptied and the device idle before, its work waited for after."""
+    cache.clear()
+    dev.wait_all()
+    t0 = time.perf_counter()
+    fn()
+    dev.wait_all()
+    return time.perf_counter() - t0
+
+
 def _timed(fn, repeat: int) -> tuple[float, Any]:
     best, out = float("inf"), None
     for _ in range(repeat):
@@ -201,6 +211,33 @@ def run(*, device: str | None = None, chunks: int = 32, chunk_mib: float = 1.0, 
         tmp.cleanup()
 
 
+def calibrate(xp: Any, block: Any, mem: Any, t_read: float, compute: str, scheduler: str,
+              repeat: int) -> tuple[Callable, int, float, float]:
+    """A per-chunk compute whose pass over ``mem`` (a dask array of blocks in memory) takes about
+    ``t_read``: a first guess from one iteration, then one correction from a measured pass.
+    Returns ``(busy, iterations, sleep seconds, the pass's seconds)``."""
+    chunks = mem.numblocks[0]
+
+    def compute_only(busy):
+        return _timed(lambda: mem.map_blocks(busy, dtype=mem.dtype).compute(scheduler=scheduler), repeat)[0]
+
+    per_chunk_read = t_read / chunks
+    t_iter = _time_one_iteration(xp, block, compute)
+    iters = max(1, round(per_chunk_read / t_iter)) if compute != "sleep" else 0
+    sleep_s = per_chunk_read
+    busy = make_compute(xp, iters, compute, sleep_s)
+    t_compute = compute_only(busy)
+    scale = t_read / t_compute
+    if abs(scale - 1) > 0.15:
+        if compute != "sleep":
+            iters = max(1, round(iters * scale))
+        else:
+            sleep_s = max(0.0, sleep_s * (1 + (t_read - t_compute) / chunks / max(sleep_s, 1e-9)))
+        busy = make_compute(xp, iters, compute, sleep_s)
+        t_compute = compute_only(busy)
+    return busy, iters, sleep_s, t_compute
+
+
 def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, depth, compute, scheduler,
              repeat) -> dict[str, Any]:
     import dask.array as da
@@ -215,30 +252,13 @@ def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, dept
 
     read_only()  # warm-up: backend threads, allocator pools
     t_read, _ = _timed(read_only, repeat)
-    per_chunk_read = t_read / chunks
 
     block = vol[:rows].compute(scheduler="sync")
     # Compute only: the same tasks over the same bytes already in device memory (no reads),
     # so both passes pay the same scheduling overheads.
     mem = da.from_array(xp.concatenate([block] * chunks), chunks=(rows, cols), asarray=False)
 
-    def compute_only(busy):
-        return _timed(lambda: mem.map_blocks(busy, dtype=vol.dtype).compute(scheduler=scheduler), repeat)[0]
-
-    # Calibrate: a first guess from one iteration, then one correction from a measured pass.
-    t_iter = _time_one_iteration(xp, block, compute)
-    iters = max(1, round(per_chunk_read / t_iter)) if compute != "sleep" else 0
-    sleep_s = per_chunk_read
-    busy = make_compute(xp, iters, compute, sleep_s)
-    t_compute = compute_only(busy)
-    scale = t_read / t_compute
-    if abs(scale - 1) > 0.15:
-        if compute != "sleep":
-            iters = max(1, round(iters * scale))
-        else:
-            sleep_s = max(0.0, sleep_s * (1 + (t_read - t_compute) / chunks / max(sleep_s, 1e-9)))
-        busy = make_compute(xp, iters, compute, sleep_s)
-        t_compute = compute_only(busy)
+    busy, iters, sleep_s, t_compute = calibrate(xp, block, mem, t_read, compute, scheduler, repeat)
 
     p = gpulazy.prefetch(depth=depth)
     best = {"t": float("inf")}

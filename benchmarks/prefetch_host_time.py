@@ -120,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         mem = da.from_array(xp.concatenate([block] * chunks), chunks=(rows, cols), asarray=False)
 
         def run(fn) -> float:
-            cache.clear()
-            dev.wait_all()
-            t0 = time.perf_counter()
-            fn()
-            dev.wait_all()
-            return time.perf_counter() - t0
+            return bp.time_pass(cache, dev, fn)
 
         read = lambda: vol.map_blocks(bp._corner, dtype=vol.dtype).compute(scheduler=sched)  # noqa: E731
         for _ in range(2):

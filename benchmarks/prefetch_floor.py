@@ -1,0 +1,275 @@
+"""The floor under the prefetch target: the least read-ahead a dask task can do, beside gpulazy's.
+
+    python benchmarks/prefetch_floor.py --compute matmul --scheduler sync --repeat 7
+
+``bench_prefetch``'s setup (a raw float32 volume of ``--chunks`` x ``--chunk-mib`` warm in the page
+cache, a per-chunk compute calibrated to gpulazy's read alone) and its ratio, read + compute over
+max(read alone, compute alone), for two read-aheads in the same rounds:
+
+- ``prefetch``: ``gpulazy.prefetch(depth)`` over a gpulazy array, as ``bench_prefetch`` times it.
+- ``floor``: a dask array over the same file whose chunk tasks do the least a read can: a dask
+  callback keeps ``depth`` reads in flight in the order dask runs the tasks (``dask.order``), each
+  a KvikIO host read into a pinned slot issued as a task starts; the copies of the reads already
+  in go into new device arrays on a non-blocking stream as each task starts (``--copy ahead``,
+  as gpulazy does; ``--copy load``: by the chunk's own task), and a chunk's task waits for its
+  read and its copy. No
+  cache, no chunk specs, no check of the file, no error reporting beyond raising: what no design
+  of gpulazy's on dask, KvikIO and CuPy could go below. (On the CPU: a thread pool's ``preadv``
+  into host slots, and a NumPy copy.)
+
+If the floor's ratio misses the target too, the target is out of reach for any read-ahead made of
+Python in dask's scheduler on this host; the gap between the two rows is what gpulazy's own work
+costs. Each process prints the median over ``--repeat`` rounds of each round's ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class FloorReader:
+    """Reads chunk ``k`` of a raw file (``nbytes`` each) into pinned slots, ``depth`` ahead of the tasks."""
+
+    def __init__(self, path: str, nbytes: int, chunks: int, depth: int, slots: int, dev: Any, *, shape: tuple,
+                 ahead: bool):
+        self.nbytes, self.chunks, self.depth, self.dev, self.shape, self.ahead = nbytes, chunks, depth, dev, shape, ahead
+        self._lock = threading.Lock()
+        self._inflight: dict[int, list] = {}  # chunk -> [slot, read future, device array, copy event]
+        self._order: list[int] = []
+        self._next = 0
+        if dev.is_gpu:
+            import cupy
+            import kvikio
+
+            self._file = kvikio.CuFile(path, "r")
+            self._mem = [cupy.cuda.alloc_pinned_memory(nbytes) for _ in range(slots)]
+            self._host = [np.frombuffer(m, np.uint8, nbytes) for m in self._mem]
+            with dev.activate():
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+        else:
+            self._fd = os.open(path, os.O_RDONLY)
+            self._pool = ThreadPoolExecutor(8)
+            self._host = [np.empty(nbytes, np.uint8) for _ in range(slots)]
+        self._free = list(range(slots))
+
+    def close(self) -> None:
+        if self.dev.is_gpu:
+            self._file.close()
+        else:
+            self._pool.shutdown()
+            os.close(self._fd)
+
+    def start_pass(self, order: list[int]) -> None:
+        with self._lock:
+            self._order, self._next = order, 0
+            self._fill()
+
+    def _submit(self, k: int) -> None:
+        # Lock held.
+        slot = self._free.pop()
+        if self.dev.is_gpu:
+            fut = self._file.pread(self._host[slot], self.nbytes, k * self.nbytes)
+        else:
+            fut = self._pool.submit(os.preadv, self._fd, [self._host[slot]], k * self.nbytes)
+        self._inflight[k] = [slot, fut, None, None]
+
+    def _fill(self) -> None:
+        # Lock held: keep ``depth`` reads in flight, in the order the tasks run.
+        while len(self._inflight) < self.depth and self._next < len(self._order) and self._free:
+            k = self._order[self._next]
+            self._next += 1
+            if k not in self._inflight:
+                self._submit(k)
+
+    def pretask(self) -> None:
+        with self._lock:
+            self._fill()
+            if self.ahead:  # the copies of the reads already in, issued now (not when their task asks)
+                for entry in self._inflight.values():
+                    if entry[2] is None and entry[1].done():
+                        self._copy(entry)
+
+    def load(self, k: int) -> Any:
+        """Chunk ``k`` as a device array (read now if it was not read ahead)."""
+        with self._lock:
+            if k not in self._inflight:
+                self._submit(k)
+            entry = self._inflight.pop(k)
+        if entry[2] is None:
+            self._copy(entry)
+        out, event = entry[2], entry[3]
+        if event is not None:
+            event.synchronize()
+        with self._lock:
+            self._free.append(entry[0])
+            self._fill()
+        return out
+
+    def _copy(self, entry: list) -> None:
+        slot, fut = entry[0], entry[1]
+        got = fut.get() if self.dev.is_gpu else fut.result()
+        if got != self.nbytes:
+            raise OSError(f"short read: {got} of {self.nbytes} bytes")
+        host = self._host[slot]
+        if not self.dev.is_gpu:
+            entry[2] = host.view(np.float32).reshape(self.shape).copy()
+            return
+        import cupy
+
+        with self.dev.activate():
+            out = cupy.empty(self.shape, np.float32)
+            cupy.cuda.runtime.memcpyAsync(out.data.ptr, host.ctypes.data, self.nbytes,
+                                          cupy.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(self._stream)
+        entry[2], entry[3] = out, event
+
+
+def floor_array(reader: FloorReader, chunks: int, rows: int, cols: int) -> Any:
+    """A dask array over the reader's file: chunk ``k``'s task is ``reader.load(k)``."""
+    import dask.array as da
+
+    def block(block_id=None):
+        return reader.load(block_id[0])
+
+    return da.map_blocks(block, dtype=np.float32, chunks=((rows,) * chunks, (cols,)), meta=np.empty((0, 0),
+                                                                                                     np.float32))
+
+
+def floor_callback(reader: FloorReader) -> Any:
+    """A dask callback that hands the reader the run order at the start and fills its reads at each task."""
+    from dask.callbacks import Callback
+    from dask.order import order
+
+    def start_state(dsk: dict, state: dict) -> None:
+        prio = order(dsk)
+        seen: dict[int, None] = {}
+        for key in sorted((k for k in dsk if isinstance(k, tuple) and len(k) == 3), key=prio.get):
+            seen.setdefault(key[1], None)
+        reader.start_pass(list(seen))
+
+    def pretask(key: Any, dsk: dict, state: dict) -> None:
+        reader.pretask()
+
+    return Callback(start_state=start_state, pretask=pretask)
+
+
+def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0, depth: int = 8,
+        compute: str = "matmul", scheduler: str = "sync", repeat: int = 7, copy: str = "ahead") -> dict[str, Any]:
+    """Time the passes in ``repeat`` rounds; returns the medians (seconds) and both ratios."""
+    import dask.array as da
+
+    import gpulazy
+    from gpulazy.cache import DeviceCache
+    from gpulazy.device import get_device, gpu_count
+
+    sys.path.insert(0, HERE)
+    import bench_prefetch as bp
+
+    dev = get_device(device or ("cuda:0" if gpu_count() else "cpu"))
+    xp, sched = dev.xp, scheduler
+    cols = 1024
+    rows = max(1, int(chunk_mib * (1 << 20)) // (cols * 4))
+    nbytes = rows * cols * 4
+    tmp = tempfile.TemporaryDirectory()
+    path = os.path.join(tmp.name, "floor.raw")
+    np.random.default_rng(0).random((chunks * rows, cols), dtype=np.float32).tofile(path)  # warm from here on
+    cache = DeviceCache(2 * (depth + 2) * nbytes, device=dev, name=f"prefetch-floor-{os.getpid()}")
+    reader = FloorReader(path, nbytes, chunks, depth, slots=depth + 32, dev=dev, shape=(rows, cols),
+                         ahead=copy == "ahead")
+    try:
+        vol = gpulazy.from_files(path, shape=(chunks * rows, cols), dtype="float32", chunks=(rows, cols),
+                                 device=dev.name, cache=cache)
+        floor = floor_array(reader, chunks, rows, cols)
+
+        def timed(fn) -> Any:
+            return lambda: bp.time_pass(cache, dev, fn)
+
+        read = timed(lambda: vol.map_blocks(bp._corner, dtype=vol.dtype).compute(scheduler=sched))
+        for _ in range(2):
+            read()
+        t_read = min(read() for _ in range(repeat))
+        block = vol[:rows].compute(scheduler="sync")
+        mem = da.from_array(xp.concatenate([block] * chunks), chunks=(rows, cols), asarray=False)
+        busy, iters, _, _ = bp.calibrate(xp, block, mem, t_read, compute, sched, repeat)
+        p = gpulazy.prefetch(depth=depth)
+        cb = floor_callback(reader)
+
+        def prefetched() -> None:
+            with p:
+                vol.map_blocks(busy, dtype=vol.dtype).compute(scheduler=sched)
+
+        def floored() -> None:
+            with cb:
+                floor.map_blocks(busy, dtype=floor.dtype).compute(scheduler=sched)
+
+        def floor_read() -> None:
+            with cb:
+                floor.map_blocks(bp._corner, dtype=floor.dtype).compute(scheduler=sched)
+
+        passes = {"read": read, "compute": timed(lambda: mem.map_blocks(busy, dtype=mem.dtype).compute(scheduler=sched)),
+                  "prefetch": timed(prefetched), "floor": timed(floored), "floor read": timed(floor_read)}
+        for fn in passes.values():
+            fn()  # warm-up
+        rounds = [{name: fn() for name, fn in passes.items()} for _ in range(repeat)]
+        whole = np.concatenate([dev.xp.asnumpy(b) if dev.is_gpu else b for b in
+                                (floor[k * rows:(k + 1) * rows].compute(scheduler=sched) for k in range(chunks))])
+    finally:
+        reader.close()
+        cache.close()
+    expect = np.fromfile(path, np.float32).reshape(chunks * rows, cols)
+    tmp.cleanup()
+    return {"device": dev.name, "scheduler": sched, "chunks": chunks, "chunk_bytes": nbytes, "depth": depth,
+            "compute": compute, "compute_iters": iters, "copy": copy, "rounds": rounds,
+            "floor_bytes_equal": bool(np.array_equal(whole, expect)),
+            **{f"seconds_{name.replace(' ', '_')}": statistics.median(r[name] for r in rounds) for name in passes},
+            **{f"ratio_{name}": statistics.median(r[name] / max(r["read"], r["compute"]) for r in rounds)
+               for name in ("prefetch", "floor")},
+            "target_ratio": bp.TARGET_RATIO}
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [f"{r['device']}, {r['scheduler']}, {r['chunks']} x {r['chunk_bytes'] / (1 << 20):g} MiB, depth "
+             f"{r['depth']}, {r['compute']} x {r['compute_iters']} a chunk, {len(r['rounds'])} rounds, the floor's "
+             f"copies {r['copy']}"]
+    for name in ("read", "compute", "prefetch", "floor", "floor read"):
+        lines.append(f"  {name:<12} median {r['seconds_' + name.replace(' ', '_')] * 1e3:7.1f} ms")
+    for name in ("prefetch", "floor"):
+        lines.append(f"ratio {name:<9} / max(read, compute): {r['ratio_' + name]:.3f} (target <= {r['target_ratio']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cpu or cuda:N (default: a GPU when usable)")
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--chunk-mib", type=float, default=16.0)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--compute", choices=["matmul", "launch", "xp", "sleep"], default="matmul")
+    ap.add_argument("--scheduler", choices=["sync", "threads"], default="sync")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--copy", choices=["ahead", "load"], default="ahead",
+                    help="the floor's host-to-device copy: issued at each task start for the reads already in "
+                         "(as gpulazy does), or by the chunk's own task")
+    args = ap.parse_args(argv)
+    r = run(device=args.device, chunks=args.chunks, chunk_mib=args.chunk_mib, depth=args.depth, compute=args.compute,
+            scheduler=args.scheduler, repeat=args.repeat, copy=args.copy)
+    if not r["floor_bytes_equal"]:
+        raise SystemExit("the floor's reader read the wrong bytes")
+    print(table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

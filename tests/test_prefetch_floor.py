@@ -1,0 +1,66 @@
+"""The prefetch floor probe: its minimal reader reads the file's bytes, ``depth`` ahead, and it reports both ratios."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+floor = importlib.import_module("prefetch_floor")
+
+
+@pytest.fixture
+def raw(tmp_path):
+    data = np.arange(6 * 8, dtype=np.float32).reshape(6 * 2, 4)  # 6 chunks of 2 x 4 float32 (32 bytes)
+    path = tmp_path / "a.raw"
+    data.tofile(path)
+    return str(path), data
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_reader_reads_each_chunk_ahead_in_the_given_order(raw, ahead):
+    from gpulazy.device import get_device
+
+    path, data = raw
+    reader = floor.FloorReader(path, 32, 6, depth=2, slots=4, dev=get_device("cpu"), shape=(2, 4), ahead=ahead)
+    try:
+        reader.start_pass([5, 4, 3, 2, 1, 0])
+        assert sorted(reader._inflight) == [4, 5]  # depth reads in flight, the first ones of the order
+        for k in (5, 4, 3, 2, 1, 0):
+            reader.pretask()
+            assert len(reader._inflight) <= 2
+            np.testing.assert_array_equal(reader.load(k), data[2 * k:2 * k + 2])
+        assert not reader._inflight and len(reader._free) == 4  # every slot given back
+        np.testing.assert_array_equal(reader.load(3), data[6:8])  # not read ahead: read on demand
+    finally:
+        reader.close()
+
+
+def test_reader_raises_on_a_short_read(tmp_path):
+    from gpulazy.device import get_device
+
+    path = tmp_path / "short.raw"
+    np.zeros(12, np.float32).tofile(path)  # 48 bytes: chunk 1 of 32 bytes is cut short
+    reader = floor.FloorReader(str(path), 32, 2, depth=1, slots=2, dev=get_device("cpu"), shape=(2, 4), ahead=False)
+    try:
+        with pytest.raises(OSError, match="short read"):
+            reader.load(1)
+    finally:
+        reader.close()
+
+
+def test_run_on_cpu_reports_both_ratios(capsys):
+    r = floor.run(device="cpu", chunks=6, chunk_mib=0.0625, depth=2, compute="xp", repeat=2)
+    assert r["floor_bytes_equal"] and len(r["rounds"]) == 2
+    assert set(r["rounds"][0]) == {"read", "compute", "prefetch", "floor", "floor read"}
+    for name in ("prefetch", "floor"):
+        expect = sorted(x[name] / max(x["read"], x["compute"]) for x in r["rounds"])
+        assert r["ratio_" + name] == pytest.approx(sum(expect) / 2)
+    assert floor.main(["--device", "cpu", "--chunks", "4", "--chunk-mib", "0.0625", "--depth", "2", "--compute", "xp",
+                       "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio floor" in out and "ratio prefetch" in out

@@ -12,14 +12,14 @@ max(read alone, compute alone), for two read-aheads in the same rounds:
   a KvikIO host read into a pinned slot issued as a task starts; the copies of the reads already
   in go into new device arrays on a non-blocking stream as each task starts (``--copy ahead``,
   as gpulazy does; ``--copy load``: by the chunk's own task), and a chunk's task waits for its
-  read and its copy. No
-  cache, no chunk specs, no check of the file, no error reporting beyond raising: what no design
-  of gpulazy's on dask, KvikIO and CuPy could go below. (On the CPU: a thread pool's ``preadv``
-  into host slots, and a NumPy copy.)
+  read and its copy. No cache, no chunk specs, no check of the file, no error reporting beyond
+  raising. (On the CPU: a thread pool's ``preadv`` into host slots, and a NumPy copy.)
 
-If the floor's ratio misses the target too, the target is out of reach for any read-ahead made of
-Python in dask's scheduler on this host; the gap between the two rows is what gpulazy's own work
-costs. Each process prints the median over ``--repeat`` rounds of each round's ratio.
+What is left when everything but reading, copying and waiting is taken out: where the floor
+misses the target too, no leaner gpulazy would meet it with that read-ahead on that host, and
+the gap between the two rows, measured in the same rounds (so a host's drift cancels), is what
+gpulazy's own work costs. Each process prints the median over ``--repeat`` rounds of each round's
+ratio.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class FloorReader:
 
     def __init__(self, path: str, nbytes: int, chunks: int, depth: int, slots: int, dev: Any, *, shape: tuple,
                  ahead: bool):
-        self.nbytes, self.chunks, self.depth, self.dev, self.shape, self.ahead = nbytes, chunks, depth, dev, shape, ahead
+        self.nbytes, self.chunks, self.depth, self.dev = nbytes, chunks, depth, dev
+        self.shape, self.ahead = shape, ahead
         self._lock = threading.Lock()
         self._inflight: dict[int, list] = {}  # chunk -> [slot, read future, device array, copy event]
         self._order: list[int] = []
@@ -218,8 +219,11 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0,
             with cb:
                 floor.map_blocks(bp._corner, dtype=floor.dtype).compute(scheduler=sched)
 
-        passes = {"read": read, "compute": timed(lambda: mem.map_blocks(busy, dtype=mem.dtype).compute(scheduler=sched)),
-                  "prefetch": timed(prefetched), "floor": timed(floored), "floor read": timed(floor_read)}
+        def compute_alone() -> None:
+            mem.map_blocks(busy, dtype=mem.dtype).compute(scheduler=sched)
+
+        passes = {"read": read, "compute": timed(compute_alone), "prefetch": timed(prefetched), "floor": timed(floored),
+                  "floor read": timed(floor_read)}
         for fn in passes.values():
             fn()  # warm-up
         rounds = [{name: fn() for name, fn in passes.items()} for _ in range(repeat)]

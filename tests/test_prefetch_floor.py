@@ -26,7 +26,7 @@ def test_reader_reads_each_chunk_ahead_in_the_given_order(raw, ahead):
     from gpulazy.device import get_device
 
     path, data = raw
-    reader = floor.FloorReader(path, 32, 6, depth=2, slots=4, dev=get_device("cpu"), shape=(2, 4), ahead=ahead)
+    reader = floor.FloorReader(path, 32, depth=2, slots=4, dev=get_device("cpu"), shape=(2, 4), ahead=ahead)
     try:
         reader.start_pass([5, 4, 3, 2, 1, 0])
         assert sorted(reader._inflight) == [4, 5]  # depth reads in flight, the first ones of the order
@@ -45,7 +45,7 @@ def test_reader_raises_on_a_short_read(tmp_path):
 
     path = tmp_path / "short.raw"
     np.zeros(12, np.float32).tofile(path)  # 48 bytes: chunk 1 of 32 bytes is cut short
-    reader = floor.FloorReader(str(path), 32, 2, depth=1, slots=2, dev=get_device("cpu"), shape=(2, 4), ahead=False)
+    reader = floor.FloorReader(str(path), 32, depth=1, slots=2, dev=get_device("cpu"), shape=(2, 4), ahead=False)
     try:
         with pytest.raises(OSError, match="short read"):
             reader.load(1)

@@ -83,6 +83,32 @@ class TestKvikioCUDA(BackendConformance):
             np.testing.assert_array_equal(cp.asnumpy(o), data[i << 21:(i + 1) << 21])
         assert not backend._batches                      # every batch closed: handles given back
 
+    def test_a_job_finishes_while_a_thread_holds_another_job_of_its_batch(self, backend, tmp_path):
+        """Each job of a batch is waited for under its own lock: while a thread is inside job 0
+        (held here by the test, as a thread blocked on job 0's read would hold it), job 1 is
+        moved on by polling and finished by another thread."""
+        import cupy as cp
+
+        data = np.random.default_rng(2).integers(0, 256, 4 << 20, dtype=np.uint8)
+        path = write_file(tmp_path / "j.bin", data)
+        outs = [cp.zeros(2 << 20, np.uint8) for _ in range(2)]
+        futs = backend.submit_many([([ByteRange(path, i << 21, 2 << 20)], o) for i, o in enumerate(outs)],
+                                   staged=True)
+        batch = futs[0]._parts[0].batch
+        with batch._locks[0]:
+            deadline = time.monotonic() + 30
+            while not futs[1].done():
+                assert time.monotonic() < deadline, "job 1 never completed by polling"
+            got: list = []
+            t = threading.Thread(target=lambda: got.append(futs[1].result()))
+            t.start()
+            t.join(30)
+            assert got == [2 << 20]
+            np.testing.assert_array_equal(cp.asnumpy(outs[1]), data[2 << 20:])
+        assert futs[0].result() == 2 << 20
+        np.testing.assert_array_equal(cp.asnumpy(outs[0]), data[:2 << 20])
+        assert not backend._batches
+
     def test_one_failing_job_leaves_the_others(self, backend, tmp_path):
         import cupy as cp
 

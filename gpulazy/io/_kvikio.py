@@ -217,6 +217,10 @@ class _Batch:
     soon as its reads are in, so a poller (``gpulazy.prefetch``) gets the copy going
     early. ``wait(j)`` blocks until job ``j`` is on the device. Handles go back and the
     read is recorded once every job has been waited for; the pinned buffer is dropped then.
+
+    Each job has a lock of its own, held while its reads are collected and its copy waited
+    for: a thread waiting for one job never holds up another job of the batch (dask's
+    threads each wait for their own chunk), nor a poller moving the others on.
     """
 
     def __init__(self, backend: KvikioBackend, jobs: list[tuple[list[ByteRange], Any, int]], staged: bool,
@@ -225,7 +229,8 @@ class _Batch:
         self.jobs = jobs
         self.staged = staged
         self._known = known
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # ``_left`` and closing
+        self._locks = [threading.Lock() for _ in jobs]
         self._started = time.perf_counter()
         self._before = backend._snapshot()
         self._held: dict[str, Any] = {}
@@ -274,25 +279,22 @@ class _Batch:
         """Whether job ``j`` is complete; never blocks (issues its copy once its reads are in)."""
         if self._result[j] is not None:
             return True
-        if not self._lock.acquire(blocking=False):
+        lock = self._locks[j]
+        if not lock.acquire(blocking=False):
             return False
         try:
             if self._result[j] is not None:
                 return True
-            if not all(fut.done() for _, fut in self._reads[j]):
+            if not self._move(j):
                 return False
-            if self.staged and self._events[j] is None and self._errors[j] is None:
-                self._collect(j)
-                if self._errors[j] is None:
-                    self._copy(j)
             event = self._events[j]
             return event is None or bool(event.done)
         finally:
-            self._lock.release()
+            lock.release()
 
     def wait(self, j: int) -> int:
         """Block until job ``j`` is on the device; its byte count, or its error."""
-        with self._lock:
+        with self._locks[j]:
             if self._result[j] is None:
                 self._collect(j)
                 if self.staged and self._errors[j] is None and self._events[j] is None:
@@ -305,8 +307,10 @@ class _Batch:
                     except BaseException as e:
                         self._errors[j] = self._errors[j] or e
                 self._result[j] = self.jobs[j][2]
-                self._left -= 1
-                if self._left == 0:
+                with self._lock:
+                    self._left -= 1
+                    last = self._left == 0
+                if last:
                     self._close()
             error = self._errors[j]
         if error is not None:
@@ -321,18 +325,34 @@ class _Batch:
             except BaseException:
                 pass
 
+    def _move(self, j: int) -> bool:
+        # Job ``j``'s lock held. If its reads are in, collect them and issue its copy (once);
+        # whether they were in.
+        if not all(fut.done() for _, fut in self._reads[j]):
+            return False
+        if self.staged and self._events[j] is None and self._errors[j] is None:
+            self._collect(j)
+            if self._errors[j] is None:
+                self._copy(j)
+        return True
+
     def _copy_ready(self, j: int) -> None:
-        # Lock held. Before blocking on job ``j``'s copy, queue the copies of the jobs whose
-        # reads are in already, so the copies of a batch follow each other on the stream.
+        # Job ``j``'s lock held. Before blocking on its copy, queue the copies of the jobs whose
+        # reads are in already (those no other thread holds), so the copies of a batch follow
+        # each other on the stream.
         for k in range(len(self.jobs)):
-            if (k != j and self._result[k] is None and self._events[k] is None and self._errors[k] is None
-                    and all(fut.done() for _, fut in self._reads[k])):
-                self._collect(k)
-                if self._errors[k] is None:
-                    self._copy(k)
+            if k == j or self._result[k] is not None or self._events[k] is not None or self._errors[k] is not None:
+                continue
+            lock = self._locks[k]
+            if lock.acquire(blocking=False):
+                try:
+                    if self._result[k] is None:
+                        self._move(k)
+                finally:
+                    lock.release()
 
     def _collect(self, j: int) -> None:
-        # Lock held. Wait for the reads of job ``j`` (each future once) and check byte counts.
+        # Job ``j``'s lock held. Wait for the reads of job ``j`` (each future once) and check byte counts.
         reads, self._reads[j] = self._reads[j], []
         for r, fut in reads:
             try:
@@ -344,7 +364,7 @@ class _Batch:
                     self._errors[j] = _read_failure(r, e)
 
     def _copy(self, j: int) -> None:
-        # Lock held; job ``j``'s reads are in host memory.
+        # Job ``j``'s lock held; its reads are in host memory.
         import cupy
 
         _, out, nbytes = self.jobs[j]
@@ -360,7 +380,8 @@ class _Batch:
             self._errors[j] = e
 
     def _close(self) -> None:
-        # Lock held; every job waited for: give the handles back, record, drop the pinned buffer.
+        # Once, by the job finished last (every job waited for): give the handles back, record,
+        # drop the pinned buffer.
         backend = self.backend
         backend._handles.release_many(self._held.values())
         self._held.clear()

@@ -213,6 +213,54 @@ def test_an_unverified_plain_chunk_finishes_alone(tmp_path, monkeypatch):
     assert finished == [[1]]
 
 
+def test_a_chunk_whose_read_landed_is_not_held_up_by_a_thread_waiting_for_another(tmp_path, monkeypatch):
+    """Dask's threads each wait for their own chunk of one submission: a chunk whose read is in
+    is handed out while another thread still waits for an earlier chunk's read."""
+    from gpulazy.io import _posix
+
+    p, data = _raw(tmp_path, shape=(2, 16, 16))
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(1, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    gate, real_preadv = threading.Event(), _posix._preadv
+    first = specs[0].ranges[0]
+
+    def held(fd, buffers, offset):                                    # chunk 0's read waits at the gate
+        if first.offset <= offset < first.offset + first.nbytes:
+            assert gate.wait(30)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(_posix, "_preadv", held)
+    waiting, got = threading.Event(), {}
+
+    class Announced:                                                  # says when a thread waits on it
+        def __init__(self, future):
+            self.future = future
+
+        def done(self):
+            return self.future.done()
+
+        def result(self):
+            waiting.set()
+            return self.future.result()
+
+    try:
+        reads = start(specs, get_backend("posix", "cpu", threads=2))
+        reads.futures[0] = Announced(reads.futures[0])
+        reads.futures[1].result()                                     # chunk 1's read is in
+        first_waiter = threading.Thread(target=lambda: got.update(a=reads.chunk(0)))
+        first_waiter.start()
+        assert waiting.wait(10)
+        second = threading.Thread(target=lambda: got.update(b=reads.chunk(1)))
+        second.start()
+        second.join(10)
+        assert not second.is_alive()                                  # not behind chunk 0's wait
+    finally:
+        gate.set()
+    first_waiter.join(10)
+    np.testing.assert_array_equal(got["b"], data[1:2])
+    np.testing.assert_array_equal(got["a"], data[0:1])
+
+
 def test_one_stat_checks_the_chunks_whose_reads_landed_before_it(tmp_path, monkeypatch):
     """Chunks finished one at a time (dask's pick tasks) share the identity stat taken after
     their reads landed: eight chunks of one file, one stat. A write after that stat is still

@@ -149,6 +149,8 @@ class Reads:
         """Chunk ``i``, complete on every stream; raises its read's (or decode's) error."""
         outcome = self.outcomes[i]
         if outcome is _PENDING:
+            if not self.specs[i].is_assembled and not self.verify:
+                _landed(self.futures[i])  # the wait outside the lock: the batch's other chunks go on
             with self._lock:
                 if self.outcomes[i] is _PENDING:
                     self._finish(self._together(i))
@@ -285,6 +287,14 @@ class PendingChunk:
 
     def result(self) -> Any:
         return self.reads.chunk(self.i)
+
+
+def _landed(future: Any) -> None:
+    """Wait for ``future``'s read; its error, if any, is raised where the chunk is finished."""
+    try:
+        future.result()
+    except Exception:
+        pass
 
 
 def _verify_together(futures: list[Any]) -> None:

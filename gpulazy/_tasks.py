@@ -120,9 +120,10 @@ class ChunkSource:
                                 what=what)
         from gpulazy.integrity import check_unchanged
 
-        check_unchanged(spec)  # a cached chunk of a file changed since indexing is never served
-        return retry_on_oom(lambda: cache.get(spec, self.read), device=cache.device, nbytes=spec.out_nbytes,
-                            what=what)
+        # A cached chunk of a file changed since indexing is never served; a chunk read now is
+        # checked by its read (one stat a chunk fewer under read-ahead).
+        return retry_on_oom(lambda: cache.get(spec, self.read, check_unchanged), device=cache.device,
+                            nbytes=spec.out_nbytes, what=what)
 
     def prefetch(self, specs: Iterable[ChunkSpec]) -> None:
         """Warm ``specs`` into the cache in the background (no-op without a cache)."""

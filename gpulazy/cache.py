@@ -143,6 +143,8 @@ class _Job:
 
 #: ``_hand_over``'s answer when the read failed (the error is recorded; ``get`` reads again).
 _FAILED = object()
+#: ``_Job.pending`` while ``prefetch(..., start=)`` submits the read, outside the lock.
+_SUBMITTING = object()
 
 _COUNTERS = ("hits", "misses", "prefetched", "prefetch_hits", "prefetch_skipped", "evictions",
              "bytes_read", "loads", "errors", "cancelled")
@@ -214,6 +216,7 @@ class DeviceCache:
         self.name: str = str(name) if name is not None else f"cache-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # prefetch workers wait on it
+        self._attached = threading.Condition(self._lock)  # a started prefetch's read is attached
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
         self._jobs: dict[str, _Job] = {}
         self._queue: OrderedDict[str, tuple[ChunkSpec, Loader]] = OrderedDict()
@@ -271,7 +274,7 @@ class DeviceCache:
         # per process elsewhere (each dask.distributed worker gets its own).
         return (_cache_ref, (self.name, self._capacity_spec, self.device.name))
 
-    def get(self, spec: ChunkSpec, load: Loader) -> Any:
+    def get(self, spec: ChunkSpec, load: Loader, check: Callable[[ChunkSpec], None] | None = None) -> Any:
         """The chunk ``spec`` as a new array the caller owns.
 
         Parameters
@@ -280,6 +283,10 @@ class DeviceCache:
             The chunk; ``spec.key`` identifies it.
         load
             ``load(spec) -> array``, called on a miss, once however many threads ask.
+        check
+            ``check(spec)``, called before a cached copy is handed out; what it raises refuses
+            it (``gpulazy.integrity.check_unchanged``: a file changed since indexing). A chunk
+            read for this call, or by a read in flight it waited for, was checked by that read.
 
         Returns
         -------
@@ -307,8 +314,12 @@ class DeviceCache:
                 else:
                     job.waiters += 1
                     owner = False
+                    while job.pending is _SUBMITTING:
+                        self._attached.wait()
                     pending, job.pending = job.pending, None  # a started prefetch: this thread finishes it
             if entry is not None:
+                if check is not None:
+                    self._check_hit(spec, entry, check)
                 return self._copy_out(entry.array, entry)
             assert job is not None
             if owner:
@@ -333,6 +344,14 @@ class DeviceCache:
                     entry.pins += 1
                     result = entry.array
             return self._copy_out(result, entry)
+
+    def _check_hit(self, spec: ChunkSpec, entry: _Entry, check: Callable[[ChunkSpec], None]) -> None:
+        try:
+            check(spec)
+        except BaseException:
+            with self._lock:
+                entry.pins -= 1
+            raise
 
     def get_cached(self, specs: Iterable[ChunkSpec]) -> list[Any]:
         """Copies of the chunks of ``specs`` that are cached now (``None`` for the others).
@@ -526,7 +545,7 @@ class DeviceCache:
         and their copies to the device issued before a task asks for them.
         """
         with self._lock:
-            started = [(k, j) for k, j in self._jobs.items() if j.pending is not None]
+            started = [(k, j) for k, j in self._jobs.items() if j.pending is not None and j.pending is not _SUBMITTING]
         n = 0
         moving = True
         for key, job in started:
@@ -576,25 +595,33 @@ class DeviceCache:
             for spec in specs:
                 if self._wanted(spec, reserve=True):
                     job = self._start_job(spec.key, prefetch=True)
-                    job.reserved, job.keep = spec.out_nbytes, keep
+                    job.reserved, job.keep, job.pending = spec.out_nbytes, keep, _SUBMITTING
                     todo.append((spec, job))
             if not todo:
                 return 0
-            # Submitting is quick (no waiting); holding the lock means no get sees a
-            # started job before its pending read is attached.
-            t0 = time.perf_counter()
-            error: BaseException | None = None
-            try:
-                pendings = start([spec for spec, _ in todo])
-            except BaseException as e:  # recorded; a later get reads again and raises
-                error, failed = e, todo
-            else:
-                failed = []
+        # Submitted outside the lock: gets of other chunks go on meanwhile (a get of one of these
+        # waits for its read to be attached). Under dask's threads the submitting thread may wait
+        # milliseconds for the GIL after each CUDA call; holding the lock, every task asking for
+        # its chunk waited with it.
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            pendings = start([spec for spec, _ in todo])
+        except BaseException as e:  # recorded; a later get reads again and raises
+            error, failed = e, todo
+        else:
+            failed = []
+        with self._lock:
+            if error is None:
                 for (spec, job), pending in zip(todo, pendings):
                     job.pending, job.t0 = pending, t0
+            else:
+                for _, job in todo:
+                    job.pending = None
+                    self._reserved -= job.reserved
+                    job.reserved = 0
+            self._attached.notify_all()
         for spec, job in failed:
-            with self._lock:
-                self._reserved -= job.reserved
             self._fail(spec.key, job, error)
         if error is not None and not isinstance(error, Exception):
             raise error  # Ctrl-C or SystemExit while submitting: recorded, and on its way up
@@ -658,6 +685,8 @@ class DeviceCache:
         until they complete. ``keep``: cache them (else they are dropped; so are those started
         with ``keep=False``)."""
         with self._lock:
+            while any(job.pending is _SUBMITTING for job in self._jobs.values()):
+                self._attached.wait()  # another thread is submitting reads: settle them too
             claimed = []
             for key, job in self._jobs.items():
                 if job.pending is not None and (keys is None or key in keys):

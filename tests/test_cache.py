@@ -15,7 +15,7 @@ import gpulazy
 from gpulazy.array import ChunkSource, load_chunk
 from gpulazy.cache import DeviceCache, cache_by_name, default_cache, resolve_capacity
 from gpulazy.device import get_device
-from gpulazy.errors import ConfigError
+from gpulazy.errors import ChunkReadError, ConfigError
 from gpulazy.spec import ByteRange, ChunkSpec, file_identity
 
 from conftest import to_host
@@ -829,6 +829,92 @@ def test_cancel_keeps_started_reads_and_clear_waits_for_them(tmp_path, caches):
     load = Loader()
     np.testing.assert_array_equal(cache.get(specs[3], load), np_read(specs[3]))
     assert load.count == 1
+
+
+class BlockingStarter(Starter):
+    """A ``Starter`` whose submission itself blocks until ``submitting_may_end`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.submitting = threading.Event()
+        self.submitting_may_end = threading.Event()
+
+    def __call__(self, specs):
+        self.submitting.set()
+        assert self.submitting_may_end.wait(10), "test gate never opened"
+        return super().__call__(specs)
+
+
+def test_gets_go_on_while_reads_are_submitted_and_one_of_them_waits_for_its_read(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=3)
+    cache = caches("1 MiB", device="cpu")
+    cached = np_read(specs[0])
+    cache.get(specs[0], lambda s: cached)               # a chunk cached before the submission
+    start = BlockingStarter()
+    start.gate.set()
+    submitter = threading.Thread(target=cache.prefetch, args=(specs[1:], Loader()), kwargs={"start": start})
+    submitter.start()
+    assert start.submitting.wait(10)
+    # The submission holds no lock of the cache: a hit is served while it blocks.
+    np.testing.assert_array_equal(cache.get(specs[0], Loader()), cached)
+    got: dict = {}
+    getter = threading.Thread(target=lambda: got.update(a=cache.get(specs[1], Loader())))
+    getter.start()
+    _until(lambda: cache._attached._waiters)            # its read is being submitted: it waits for it
+    start.submitting_may_end.set()
+    getter.join(10)
+    submitter.join(10)
+    np.testing.assert_array_equal(got["a"], np_read(specs[1]))
+    st = cache.stats()
+    assert (st["misses"], st["prefetch_hits"], st["in_flight"]) == (1, 1, 1)
+    assert [p.results for p in start.started] == [1, 0]  # the getter finished its read; the other waits
+
+
+def _until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.001)
+
+
+def test_clear_during_a_submission_settles_its_reads(tmp_path, caches):
+    _, specs = make_file(tmp_path, nchunks=2)
+    cache = caches("1 MiB", device="cpu")
+    start = BlockingStarter()
+    start.gate.set()
+    submitter = threading.Thread(target=cache.prefetch, args=(specs, Loader()), kwargs={"start": start})
+    submitter.start()
+    assert start.submitting.wait(10)
+    clearer = threading.Thread(target=cache.clear)      # waits for the submission, then settles its reads
+    clearer.start()
+    _until(lambda: cache._attached._waiters)
+    start.submitting_may_end.set()
+    clearer.join(10)
+    submitter.join(10)
+    st = cache.stats()
+    assert (st["in_flight"], st["bytes_reserved"], st["bytes_held"]) == (0, 0, 0)
+    assert [p.results for p in start.started] == [1, 1]
+
+
+def test_a_hit_is_checked_and_a_read_is_not(tmp_path, caches):
+    path, specs = make_file(tmp_path, nchunks=2)
+    cache = caches("1 MiB", device="cpu")
+    checked = []
+
+    def check(spec):
+        checked.append(spec.key)
+        if spec is specs[1]:
+            raise ChunkReadError(f"{path!r} changed since it was indexed")
+
+    load = Loader()
+    for s in specs:
+        cache.get(s, load, check)                       # misses: read now, checked by their read
+    assert checked == [] and load.count == 2
+    np.testing.assert_array_equal(cache.get(specs[0], load, check), np_read(specs[0]))
+    with pytest.raises(ChunkReadError, match="changed since"):
+        cache.get(specs[1], load, check)
+    assert checked == [specs[0].key, specs[1].key] and load.count == 2
+    assert all(e.pins == 0 for e in cache._entries.values())   # the refused hit is unpinned
 
 
 def test_close_waits_for_started_reads(tmp_path):

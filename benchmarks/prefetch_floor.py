@@ -20,6 +20,12 @@ misses the target too, no leaner gpulazy would meet it with that read-ahead on t
 the gap between the two rows, measured in the same rounds (so a host's drift cancels), is what
 gpulazy's own work costs. Each process prints the median over ``--repeat`` rounds of each round's
 ratio.
+
+``--old REV`` adds REV's ``gpulazy.prefetch`` over the same file as a third pass (that commit's
+package imported beside this one, ``_old_tree``), and prints the median of new / old: a change
+measured in the same rounds, old and new taking each other's place every other round.
+
+    python benchmarks/prefetch_floor.py --compute launch --scheduler threads --old f62d462
 """
 
 from __future__ import annotations
@@ -166,8 +172,12 @@ def floor_callback(reader: FloorReader) -> Any:
 
 
 def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0, depth: int = 8,
-        compute: str = "matmul", scheduler: str = "sync", repeat: int = 7, copy: str = "ahead") -> dict[str, Any]:
-    """Time the passes in ``repeat`` rounds; returns the medians (seconds) and both ratios."""
+        compute: str = "matmul", scheduler: str = "sync", repeat: int = 7, copy: str = "ahead",
+        old: str | None = None) -> dict[str, Any]:
+    """Time the passes in ``repeat`` rounds; returns the medians (seconds) and the ratios.
+
+    ``old``: a commit whose ``gpulazy.prefetch`` is timed too (``new_over_old``: the median over
+    the rounds of this tree's pass over that one's)."""
     import dask.array as da
 
     import gpulazy
@@ -187,13 +197,18 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0,
     np.random.default_rng(0).random((chunks * rows, cols), dtype=np.float32).tofile(path)  # warm from here on
     cache = DeviceCache(2 * (depth + 2) * nbytes, device=dev, name=f"prefetch-floor-{os.getpid()}")
     reader = FloorReader(path, nbytes, depth, slots=depth + 32, dev=dev, shape=(rows, cols), ahead=copy == "ahead")
+    caches = [cache]
     try:
         vol = gpulazy.from_files(path, shape=(chunks * rows, cols), dtype="float32", chunks=(rows, cols),
                                  device=dev.name, cache=cache)
         floor = floor_array(reader, chunks, rows, cols)
 
         def timed(fn) -> Any:
-            return lambda: bp.time_pass(cache, dev, fn)
+            def one() -> float:
+                for c in caches[1:]:
+                    c.clear()
+                return bp.time_pass(cache, dev, fn)
+            return one
 
         read = timed(lambda: vol.map_blocks(bp._corner, dtype=vol.dtype).compute(scheduler=sched))
         for _ in range(2):
@@ -222,34 +237,75 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0,
 
         passes = {"read": read, "compute": timed(compute_alone), "prefetch": timed(prefetched), "floor": timed(floored),
                   "floor read": timed(floor_read)}
+        if old is not None:
+            passes["prefetch old"] = timed(_old_pass(old, path, chunks, rows, cols, depth, dev, busy, sched, caches))
         for fn in passes.values():
             fn()  # warm-up
-        rounds = [{name: fn() for name, fn in passes.items()} for _ in range(repeat)]
+        rounds = [{name: passes[name]() for name in _round_order(list(passes), i)} for i in range(repeat)]
         with cb:  # the bytes the timed passes' read-ahead hands out (copies issued ahead included)
             whole = floor.compute(scheduler=sched)
         whole = xp.asnumpy(whole) if dev.is_gpu else whole
     finally:
         reader.close()
-        cache.close()
+        for c in caches:
+            c.close()
     expect = np.fromfile(path, np.float32).reshape(chunks * rows, cols)
     tmp.cleanup()
     return {"device": dev.name, "scheduler": sched, "chunks": chunks, "chunk_bytes": nbytes, "depth": depth,
             "compute": compute, "compute_iters": iters, "copy": copy, "rounds": rounds,
             "floor_bytes_equal": bool(np.array_equal(whole, expect)),
             **{f"seconds_{name.replace(' ', '_')}": statistics.median(r[name] for r in rounds) for name in passes},
-            **{f"ratio_{name}": statistics.median(r[name] / max(r["read"], r["compute"]) for r in rounds)
-               for name in ("prefetch", "floor")},
+            **{f"ratio_{name.replace(' ', '_')}": statistics.median(r[name] / max(r["read"], r["compute"])
+                                                                    for r in rounds)
+               for name in ("prefetch", "floor", "prefetch old") if name in passes},
+            **({"old": old, "new_over_old": statistics.median(r["prefetch"] / r["prefetch old"] for r in rounds)}
+               if old is not None else {}),
             "target_ratio": bp.TARGET_RATIO}
+
+
+def _old_pass(rev: str, path: str, chunks: int, rows: int, cols: int, depth: int, dev: Any, busy: Any, sched: str,
+              caches: list) -> Any:
+    """Commit ``rev``'s prefetched pass over ``path`` (its cache joins ``caches``, emptied before every pass)."""
+    from _old_tree import load_old_tree
+
+    old = load_old_tree(rev)
+    cache = old.cache.DeviceCache(caches[0].capacity, device=dev.name, name=f"prefetch-floor-old-{os.getpid()}")
+    caches.append(cache)
+    vol = old.from_files(path, shape=(chunks * rows, cols), dtype="float32", chunks=(rows, cols), device=dev.name,
+                         cache=cache)
+    p = old.prefetch(depth=depth)
+
+    def prefetched_old() -> None:
+        with p:
+            vol.map_blocks(busy, dtype=vol.dtype).compute(scheduler=sched)
+
+    return prefetched_old
+
+
+def _round_order(names: list[str], i: int) -> list[str]:
+    """The passes of round ``i``: with an old tree, its pass and this tree's swap places every other round
+    (the pass after another pays for the garbage that one left)."""
+    if "prefetch old" not in names or i % 2 == 0:
+        return names
+    a, b = names.index("prefetch"), names.index("prefetch old")
+    names = list(names)
+    names[a], names[b] = names[b], names[a]
+    return names
 
 
 def table(r: dict[str, Any]) -> str:
     lines = [f"{r['device']}, {r['scheduler']}, {r['chunks']} x {r['chunk_bytes'] / (1 << 20):g} MiB, depth "
              f"{r['depth']}, {r['compute']} x {r['compute_iters']} a chunk, {len(r['rounds'])} rounds, the floor's "
              f"copies {r['copy']}"]
-    for name in ("read", "compute", "prefetch", "floor", "floor read"):
-        lines.append(f"  {name:<12} median {r['seconds_' + name.replace(' ', '_')] * 1e3:7.1f} ms")
-    for name in ("prefetch", "floor"):
-        lines.append(f"ratio {name:<9} / max(read, compute): {r['ratio_' + name]:.3f} (target <= {r['target_ratio']})")
+    for name in ("read", "compute", "prefetch", "floor", "floor read", "prefetch old"):
+        if "seconds_" + name.replace(" ", "_") in r:
+            lines.append(f"  {name:<12} median {r['seconds_' + name.replace(' ', '_')] * 1e3:7.1f} ms")
+    for name in ("prefetch", "floor", "prefetch old"):
+        if "ratio_" + name.replace(" ", "_") in r:
+            lines.append(f"ratio {name:<12} / max(read, compute): {r['ratio_' + name.replace(' ', '_')]:.3f} "
+                         f"(target <= {r['target_ratio']})")
+    if "new_over_old" in r:
+        lines.append(f"this tree's prefetched pass / {r['old']}'s, median of the rounds: {r['new_over_old']:.3f}")
     return "\n".join(lines)
 
 
@@ -265,9 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy", choices=["ahead", "load"], default="ahead",
                     help="the floor's host-to-device copy: issued at each task start for the reads already in "
                          "(as gpulazy does), or by the chunk's own task")
+    ap.add_argument("--old", default=None, metavar="REV",
+                    help="also time commit REV's gpulazy.prefetch in the same rounds (git archive, imported beside)")
     args = ap.parse_args(argv)
     r = run(device=args.device, chunks=args.chunks, chunk_mib=args.chunk_mib, depth=args.depth, compute=args.compute,
-            scheduler=args.scheduler, repeat=args.repeat, copy=args.copy)
+            scheduler=args.scheduler, repeat=args.repeat, copy=args.copy, old=args.old)
     if not r["floor_bytes_equal"]:
         raise SystemExit("the floor's reader read the wrong bytes")
     print(table(r))

@@ -64,3 +64,43 @@ def test_run_on_cpu_reports_both_ratios(capsys):
                        "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "ratio floor" in out and "ratio prefetch" in out
+
+
+REPO = Path(__file__).resolve().parent.parent
+needs_git = pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the git repository (git archive)")
+
+
+@needs_git
+def test_an_old_tree_is_imported_beside_this_one(tmp_path):
+    import gpulazy
+
+    old = importlib.import_module("_old_tree").load_old_tree("HEAD", name="gpulazy_old_probe")
+    assert old.__name__ == "gpulazy_old_probe" and old.prefetch is not gpulazy.prefetch
+    assert old.cache.DeviceCache is not gpulazy.cache.DeviceCache
+    mine = {m for m in sys.modules if m == "gpulazy_old_probe" or m.startswith("gpulazy_old_probe.")}
+    assert len(mine) > 10 and all(sys.modules[m].__file__.startswith(str(Path(old.__file__).parent)) for m in mine
+                                  if getattr(sys.modules[m], "__file__", None))
+    data = np.arange(64, dtype=np.uint16)
+    data.tofile(tmp_path / "a.raw")
+    vol = old.from_files(str(tmp_path / "a.raw"), shape=(8, 8), dtype="uint16", chunks=(2, 8), device="cpu",
+                         cache=False)
+    with old.prefetch(depth=2):
+        assert int(vol.sum().compute()) == int(data.sum())
+    with pytest.raises(RuntimeError, match="imported already"):
+        importlib.import_module("_old_tree").load_old_tree("HEAD", name="gpulazy_old_probe")
+
+
+def test_old_and_new_swap_places_every_other_round():
+    names = ["read", "compute", "prefetch", "floor", "floor read", "prefetch old"]
+    assert floor._round_order(names, 0) == names
+    assert floor._round_order(names, 1) == ["read", "compute", "prefetch old", "floor", "floor read", "prefetch"]
+    assert floor._round_order(names[:-1], 1) == names[:-1]
+
+
+@needs_git
+def test_run_with_an_old_tree_reports_new_over_old():
+    r = floor.run(device="cpu", chunks=4, chunk_mib=0.0625, depth=2, compute="xp", repeat=2, old="HEAD")
+    assert r["floor_bytes_equal"] and "prefetch old" in r["rounds"][0]
+    expect = sorted(x["prefetch"] / x["prefetch old"] for x in r["rounds"])
+    assert r["new_over_old"] == pytest.approx(sum(expect) / 2) and r["old"] == "HEAD"
+    assert "HEAD's" in floor.table(r) and "ratio prefetch old" in floor.table(r)

@@ -30,21 +30,32 @@ _MODULE = re.compile(r"\bgpulazy\b(?=\.|\s+import\b|\s*$)", re.MULTILINE)
 
 
 def load_old_tree(rev: str, name: str = "gpulazy_old") -> ModuleType:
-    """Commit ``rev``'s ``gpulazy`` package, imported as ``name``."""
+    """Commit ``rev``'s ``gpulazy`` package, imported as ``name``.
+
+    ``rev`` may also be a directory holding a ``gpulazy/`` package (a tree extracted before, for
+    a machine whose copy of the checkout has no git history: ``git archive REV gpulazy | tar -x -C DIR``).
+    """
     if name in sys.modules:
         raise RuntimeError(f"{name!r} is imported already; one old tree a process")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "gpulazy"],
-                             check=True, capture_output=True).stdout
     root = Path(tempfile.mkdtemp(prefix="gpulazy-old-"))
     atexit.register(shutil.rmtree, root, True)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(root, filter="data")
-        else:  # Python before 3.11.4: the archive is our own repository's
-            tar.extractall(root)
+    if Path(rev, "gpulazy").is_dir():
+        shutil.copytree(Path(rev, "gpulazy"), root / "gpulazy", ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        _extract(rev, root)
     package = root / name
     os.rename(root / "gpulazy", package)
     for path in package.rglob("*.py"):
         path.write_text(_MODULE.sub(name, path.read_text()))
     sys.path.insert(0, str(root))
     return importlib.import_module(name)
+
+
+def _extract(rev: str, root: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "gpulazy"],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(root, filter="data")
+        else:  # Python before 3.11.4: the archive is our own repository's
+            tar.extractall(root)

@@ -90,6 +90,23 @@ def test_an_old_tree_is_imported_beside_this_one(tmp_path):
         importlib.import_module("_old_tree").load_old_tree("HEAD", name="gpulazy_old_probe")
 
 
+def test_an_old_tree_is_taken_from_a_directory_without_git(tmp_path):
+    # Device machines get a copy of the checkout whose git history may lag: the tree is extracted here
+    # and carried over. This tree's own package stands in for it; a marker proves which copy was imported.
+    import shutil
+
+    shutil.copytree(REPO / "gpulazy", tmp_path / "old" / "gpulazy", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "old" / "gpulazy" / "_marker.py").write_text("import gpulazy.spec\nWHERE = gpulazy.spec.__name__\n")
+    old = importlib.import_module("_old_tree").load_old_tree(str(tmp_path / "old"), name="gpulazy_old_dir")
+    assert importlib.import_module("gpulazy_old_dir._marker").WHERE == "gpulazy_old_dir.spec"
+    assert not Path(old.__file__).is_relative_to(tmp_path)  # a copy: the directory given stays as it was
+    data = np.arange(64, dtype=np.uint16)
+    data.tofile(tmp_path / "a.raw")
+    vol = old.from_files(str(tmp_path / "a.raw"), shape=(8, 8), dtype="uint16", chunks=(2, 8), device="cpu",
+                         cache=False)
+    assert int(vol.sum().compute()) == int(data.sum())
+
+
 def test_old_and_new_swap_places_every_other_round():
     names = ["read", "compute", "prefetch", "floor", "floor read", "prefetch old"]
     assert floor._round_order(names, 0) == names

@@ -230,6 +230,69 @@ def test_find_reads_sees_through_low_level_fusion(tmp_path):
     assert not any(k[0] == vol.name for k, rs in seen.items() if rs)  # they were fused away
 
 
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_a_map_blocks_under_prefetch_runs_one_task_a_chunk(tmp_path, cache, scheduler):
+    """Dask fuses a chunk's read with the ``map_blocks`` over it under a new name and keeps the
+    old key as an alias, a task of its own: 2 n + 1 tasks for n chunks, where ``da.from_array``
+    runs n + 1. Under prefetch the fused task takes the alias's key (``fold_aliases``)."""
+    vol, data = make_volume(tmp_path, n=12, cache=cache)
+    ran: list = []
+    count = Callback(posttask=lambda key, result, dsk, state, worker: ran.append(key))
+    twice = vol.map_blocks(lambda b: b * 2, dtype=vol.dtype)
+    with count:
+        twice.compute(scheduler=scheduler)
+    assert len(ran) >= 2 * 12 + 1  # without prefetch (read batches besides): the aliases stay
+    ran.clear()
+    cache.clear()
+    cache.reset_stats()
+    with gpulazy.prefetch(depth=3), count:
+        got = twice.compute(scheduler=scheduler)
+    np.testing.assert_array_equal(to_host(got), data * 2)
+    assert len(ran) == 12 + 1
+    assert {k for k in ran if isinstance(k, tuple)} == {(twice.name, i, 0) for i in range(12)}
+    s = cache.stats()
+    assert s["prefetched"] > 0 and s["prefetch_hits"] > 0, s
+
+
+def test_aliases_are_folded_only_where_nothing_else_needs_their_target(tmp_path):
+    """An alias dask's fusion made, whose target reads gpulazy chunks and has no other user, is
+    folded; an alias of another name, of a task without reads, or of a target another task needs
+    stays, and the graph computes the same."""
+    from dask._task_spec import Alias, DataNode, Task, TaskRef
+    from dask.local import get_sync
+
+    from gpulazy.prefetch.local import fold_aliases
+
+    vol, data = make_volume(tmp_path, n=4, cache=False)
+    dsk = dict(vol.__dask_graph__())
+    read = dsk[(vol.name, 1, 0)]
+    assert find_reads(read)
+
+    def twice(x):
+        return x * 2
+
+    graph = {
+        ("read-twice", 1, 0): Task(("read-twice", 1, 0), twice, read),          # folded into ("twice", 1, 0)
+        ("twice", 1, 0): Alias(("twice", 1, 0), ("read-twice", 1, 0)),
+        "other-name": Task("other-name", twice, read),                          # not a fusion's name
+        "plain": Alias("plain", "other-name"),
+        "x-y": Task("x-y", twice, DataNode(None, 3)),                           # no gpulazy read
+        "y": Alias("y", "x-y"),
+        ("shared-z", 0): Task(("shared-z", 0), twice, read),                   # needed by another task too
+        ("z", 0): Alias(("z", 0), ("shared-z", 0)),
+        "both": Task("both", np.add, TaskRef(("shared-z", 0)), TaskRef(("z", 0))),
+    }
+    before = get_sync(dict(graph), [("twice", 1, 0), "plain", "y", "both"])
+    assert fold_aliases(graph) == 1
+    assert ("read-twice", 1, 0) not in graph and type(graph[("twice", 1, 0)]) is Task
+    assert graph[("twice", 1, 0)].key == ("twice", 1, 0)
+    assert type(graph["plain"]) is Alias and type(graph["y"]) is Alias and type(graph[("z", 0)]) is Alias
+    after = get_sync(graph, [("twice", 1, 0), "plain", "y", "both"])
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(after[0], data[16:32] * 2)
+
+
 @pytest.mark.parametrize("graph", ["fused", "legacy", "a reduction"])
 def test_the_plan_from_the_schedulers_ready_list_is_dask_orders(tmp_path, graph):
     """``plan_graph`` takes the read tasks' order from the local scheduler's ready list when

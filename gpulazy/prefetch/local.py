@@ -13,7 +13,7 @@ from gpulazy import config
 from gpulazy.prefetch.plan import ReadAhead, find_reads, window_batch
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["prefetch", "plan_graph"]
+__all__ = ["prefetch", "plan_graph", "fold_aliases"]
 
 # --------------------------------------------------------------------------- local scheduler
 
@@ -89,7 +89,7 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
 
     @property
     def _callback(self) -> tuple:
-        return (None, self._start_state, self._pretask, None, self._finish)
+        return (self._start, self._start_state, self._pretask, None, self._finish)
 
     # ``compute(callbacks=[p])`` hands ``p`` to the scheduler as a 5-tuple of hooks.
     def __iter__(self) -> Iterator:
@@ -121,6 +121,9 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         self.unregister()
 
     # -- dask hooks
+
+    def _start(self, dsk: dict) -> None:
+        fold_aliases(dsk)
 
     def _start_state(self, dsk: dict, state: dict) -> None:
         depth = self.depth or config.get("prefetch_depth")
@@ -264,3 +267,46 @@ def _ready_rank(ready: list | None, *groups: dict) -> dict | None:
     if any(key not in rank for group in groups for key in group):
         return None
     return rank
+
+
+def fold_aliases(dsk: dict) -> int:
+    """Give each fused task that reads gpulazy chunks the key of its chain's last task; returns how many.
+
+    Dask's linear fusion (``fuse_linear_task_spec``) names a fused chain after all its layers
+    (``from_files-busy-…``) and keeps the chain's last key as an ``Alias`` of it. The local
+    scheduler runs an alias like any task: one more trip through its thread, its callbacks and
+    a worker per chunk. A ``map_blocks`` over a gpulazy array ran 129 tasks for 64 chunks, the
+    same over ``da.from_array`` 65 (its read is a ``Blockwise`` layer, fused before culling; ours
+    is culled into batches first, so it cannot be one). Here, before dask orders the graph
+    (``start``), such a fused task takes its alias's key and the alias goes: the result is the
+    same task under the key the rest of the graph already asks for. Only aliases named by
+    that fusion whose target reads gpulazy chunks and has no other user are folded.
+    """
+    from dask._task_spec import Alias, GraphNode
+
+    folded = [(key, node.target) for key, node in dsk.items()
+              if type(node) is Alias and _fused_name(key, node.target) and isinstance(dsk.get(node.target), GraphNode)
+              and find_reads(dsk[node.target])]
+    if not folded:
+        return 0
+    targets = {target for _, target in folded}
+    users: dict = {}
+    for node in dsk.values():
+        for dep in getattr(node, "dependencies", ()):
+            if dep in targets:
+                users[dep] = users.get(dep, 0) + 1
+    n = 0
+    for key, target in folded:
+        if users.get(target) == 1:
+            dsk[key] = dsk.pop(target).substitute({}, key=key)
+            n += 1
+    return n
+
+
+def _fused_name(key: Any, target: Any) -> bool:
+    """Whether ``target`` is the name dask's fusion gives a chain that ends in ``key``
+    (``dask.optimization.default_fused_keys_renamer``: the other layers' names, then ``key``'s)."""
+    if isinstance(key, tuple) and isinstance(target, tuple):
+        return (len(key) == len(target) and bool(key) and key[1:] == target[1:] and isinstance(key[0], str)
+                and isinstance(target[0], str) and target[0].endswith("-" + key[0]))
+    return isinstance(key, str) and isinstance(target, str) and target.endswith("-" + key)

@@ -53,6 +53,9 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
     it gives each compute's read window (``gpulazy._batchread.ReadWindow``) the order
     ``dask.order`` predicts instead of warming the same chunks through the cache.
 
+    Each compute runs one task per chunk where dask fused a chunk's read with what follows it
+    (``fold_aliases``: dask's linear fusion otherwise leaves an alias task per chunk).
+
     Use ``with gpulazy.prefetch():``, ``p.register()`` / ``p.unregister()``, or per
     computation ``x.compute(callbacks=[gpulazy.prefetch()])`` (best when several threads
     compute at once: Dask's active callbacks are process-global). The ``processes``

@@ -254,6 +254,28 @@ def test_a_map_blocks_under_prefetch_runs_one_task_a_chunk(tmp_path, cache, sche
     assert s["prefetched"] > 0 and s["prefetch_hits"] > 0, s
 
 
+def test_a_prefetched_compute_walks_each_read_task_once(tmp_path, cache, monkeypatch):
+    """Folding the aliases and planning the reads need the same walk of the graph's tasks: it is
+    done once (a graph of 100,000 chunks would walk them twice otherwise)."""
+    from gpulazy.prefetch import local
+
+    vol, data = make_volume(tmp_path, n=12, cache=cache)
+    walked: list = []
+
+    def counted(task):
+        reads = find_reads(task)
+        if reads:
+            walked.append(reads)
+        return reads
+
+    monkeypatch.setattr(local, "find_reads", counted)
+    with gpulazy.prefetch(depth=3) as p:
+        got = vol.map_blocks(lambda b: b + 1, dtype=vol.dtype).compute(scheduler="sync")
+    np.testing.assert_array_equal(to_host(got), data + 1)
+    assert len(walked) == 12 and p.last_summary["reads"] == 12
+    assert not p._scans  # nothing left behind for the next compute
+
+
 def test_aliases_are_folded_only_where_nothing_else_needs_their_target(tmp_path):
     """An alias dask's fusion made, whose target reads gpulazy chunks and has no other user, is
     folded; an alias of another name, of a task without reads, or of a target another task needs

@@ -13,7 +13,7 @@ from gpulazy import config
 from gpulazy.prefetch.plan import ReadAhead, find_reads, window_batch
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["prefetch", "plan_graph", "fold_aliases"]
+__all__ = ["prefetch", "plan_graph", "scan_graph", "fold_aliases"]
 
 # --------------------------------------------------------------------------- local scheduler
 
@@ -81,6 +81,8 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         self.capacity = None if capacity is None else config.parse_bytes(capacity)
         self.cache = cache
         self._runs: dict[int, ReadAhead] = {}
+        # id(dsk) -> (dsk, its scan), from ``start`` to ``start_state`` (the graph held: its id stays its own)
+        self._scans: dict[int, tuple[dict, tuple[dict, dict]]] = {}
         self._lock = threading.Lock()
         #: ``ReadAhead.summary()`` of the last computation that finished.
         self.last_summary: dict[str, Any] | None = None
@@ -126,14 +128,20 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
     # -- dask hooks
 
     def _start(self, dsk: dict) -> None:
-        fold_aliases(dsk)
+        scan = scan_graph(dsk)  # walked once: the folding and the plan both need it
+        fold_aliases(dsk, scan[0])
+        with self._lock:
+            self._scans[id(dsk)] = (dsk, scan)
 
     def _start_state(self, dsk: dict, state: dict) -> None:
+        with self._lock:
+            held = self._scans.pop(id(dsk), None)
+        scan = held[1] if held is not None and held[0] is dsk else None
         depth = self.depth or config.get("prefetch_depth")
         only = self._only_cache()
         run = ReadAhead(depth=depth, capacity=self.capacity, only=only)
         windows: dict[int, tuple[Any, list[int]]] = {}
-        by_task = plan_graph(dsk, run, windows, ready=state.get("ready"))
+        by_task = plan_graph(dsk, run, windows, ready=state.get("ready"), scan=scan)
         if not by_task and not windows:
             return
         run.by_task = by_task
@@ -161,6 +169,7 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
     def _finish(self, dsk: dict, state: dict, errored: bool) -> None:
         with self._lock:
             run = self._runs.pop(id(state), None)
+            self._scans.pop(id(dsk), None)  # a compute that failed before ``start_state``
         if run is not None:
             run.stop()
             windows = run.windows
@@ -218,8 +227,8 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         return summaries(client)
 
 
-def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None, ready: list | None = None
-               ) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
+def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None, ready: list | None = None,
+               scan: tuple[dict, dict] | None = None) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
     """Read tasks of ``dsk`` in run order: ``{task_key: [(read_id, spec), ...]}``.
 
     Only reads that ``run`` can warm are kept; an empty result means there is nothing
@@ -231,16 +240,10 @@ def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None, ready: li
     ``dask.order``'s priorities, last to run first. When every read task is among them (reads
     are the graph's roots), their order is taken from it instead of ordering the graph again:
     ``dask.order`` over the graph of a 64-chunk compute cost about as much as a chunk's read.
+
+    ``scan``: ``scan_graph(dsk)``, when the caller has it already.
     """
-    found, batches = {}, {}
-    for key, task in dsk.items():
-        in_window = window_batch(task)
-        if in_window is not None:
-            batches[key] = in_window
-            continue
-        reads = find_reads(task)
-        if reads:
-            found[key] = reads
+    found, batches = scan if scan is not None else scan_graph(dsk)
     if not found and not (batches and windows is not None):
         return {}
     priority = _ready_rank(ready, found, batches)
@@ -261,6 +264,21 @@ def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None, ready: li
     return by_task
 
 
+def scan_graph(dsk: dict) -> tuple[dict, dict]:
+    """``(found, batches)``: each task's gpulazy reads (``{key: [(spec, source), ...]}``, tasks with
+    some) and the tasks that are batches of a ``ReadWindow`` (``{key: (window, j)}``)."""
+    found, batches = {}, {}
+    for key, task in dsk.items():
+        in_window = window_batch(task)
+        if in_window is not None:
+            batches[key] = in_window
+            continue
+        reads = find_reads(task)
+        if reads:
+            found[key] = reads
+    return found, batches
+
+
 def _ready_rank(ready: list | None, *groups: dict) -> dict | None:
     """Each key's place in the run order of ``ready`` (the scheduler's ready list, last to run
     first), when every key of ``groups`` is in it; else None."""
@@ -272,7 +290,7 @@ def _ready_rank(ready: list | None, *groups: dict) -> dict | None:
     return rank
 
 
-def fold_aliases(dsk: dict) -> int:
+def fold_aliases(dsk: dict, found: dict | None = None) -> int:
     """Give each fused task that reads gpulazy chunks the key of its chain's last task; returns how many.
 
     Dask's linear fusion (``fuse_linear_task_spec``) names a fused chain after all its layers
@@ -284,12 +302,18 @@ def fold_aliases(dsk: dict) -> int:
     (``start``), such a fused task takes its alias's key and the alias goes: the result is the
     same task under the key the rest of the graph already asks for. Only aliases named by
     that fusion whose target reads gpulazy chunks and has no other user are folded.
+
+    ``found``: ``scan_graph(dsk)[0]``, when the caller has it (the reads of a folded task move
+    to its new key there); else each candidate is walked here.
     """
     from dask._task_spec import Alias, GraphNode
 
+    def reads(target: Any) -> bool:
+        return bool(found.get(target)) if found is not None else bool(find_reads(dsk[target]))
+
     folded = [(key, node.target) for key, node in dsk.items()
               if type(node) is Alias and _fused_name(key, node.target) and isinstance(dsk.get(node.target), GraphNode)
-              and find_reads(dsk[node.target])]
+              and reads(node.target)]
     if not folded:
         return 0
     targets = {target for _, target in folded}
@@ -302,6 +326,8 @@ def fold_aliases(dsk: dict) -> int:
     for key, target in folded:
         if users.get(target) == 1:
             dsk[key] = dsk.pop(target).substitute({}, key=key)
+            if found is not None:
+                found[key] = found.pop(target)
             n += 1
     return n
 

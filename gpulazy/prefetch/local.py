@@ -81,7 +81,8 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         self.capacity = None if capacity is None else config.parse_bytes(capacity)
         self.cache = cache
         self._runs: dict[int, ReadAhead] = {}
-        # id(dsk) -> (dsk, its scan), from ``start`` to ``start_state`` (the graph held: its id stays its own)
+        # id(dsk) -> (dsk, its scan), from ``start`` to ``start_state``; the graph is held so that
+        # its id names it alone meanwhile
         self._scans: dict[int, tuple[dict, tuple[dict, dict]]] = {}
         self._lock = threading.Lock()
         #: ``ReadAhead.summary()`` of the last computation that finished.
@@ -136,7 +137,7 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
     def _start_state(self, dsk: dict, state: dict) -> None:
         with self._lock:
             held = self._scans.pop(id(dsk), None)
-        scan = held[1] if held is not None and held[0] is dsk else None
+        scan = held[1] if held is not None else None
         depth = self.depth or config.get("prefetch_depth")
         only = self._only_cache()
         run = ReadAhead(depth=depth, capacity=self.capacity, only=only)

@@ -15,7 +15,28 @@ from gpulazy import config
 from gpulazy.read.window import ReadWindow
 from gpulazy._tasks import pick, read_batch
 
-__all__ = ["ReadLayer"]
+__all__ = ["ReadLayer", "ReadTask"]
+
+
+class ReadTask(Task):
+    """The task that reads a chunk (``load_chunk``) or hands it out of its batch (``pick``): never fused.
+
+    Dask's linear fusion (``fuse_linear_task_spec``) would merge a chunk's read with the one task
+    that uses it (a ``map_blocks``, an elementwise op, a cast) into a task named after both, and
+    keep the old key as an ``Alias``, a task of its own. A fused task runs its subgraph through
+    ``execute_graph``, which maps the subgraph's dependencies and orders it (``dask.order``) every
+    time. So a chunk cost a fused task and an alias; as a task of its own it costs two plain
+    tasks, which is less: on an H200 host a ``map_blocks`` over 64 chunks of 16 MiB ran in 0.76-0.85
+    of the time, sync and threaded schedulers alike, the same under ``gpulazy.prefetch`` in
+    0.80-0.97, and chains of several operations after the read as before, 0.81-1.09
+    (``benchmarks/fusion_ab.py``; benchmarks/RESULTS.md, twenty-fourth session).
+    """
+
+    __slots__ = ()
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
 
 
 def _prefetch_registered() -> bool:
@@ -110,5 +131,5 @@ class ReadLayer(MaterializedLayer):
             out[bkey] = Task(bkey, read_batch, DataNode(None, batches[j]), sources[j], DataNode(None, window),
                              j, _data_producer=True)
             for i, k in enumerate(group):
-                out[k] = Task(k, pick, TaskRef(bkey), i)
+                out[k] = ReadTask(k, pick, TaskRef(bkey), i)
         return MaterializedLayer(out, annotations=self.annotations), {k: set() for k in out}

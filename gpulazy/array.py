@@ -187,15 +187,15 @@ def _gc_paused():
 
 
 def _graph(name: str, specs: dict, source: ChunkSource) -> Any:
-    from dask._task_spec import Task
     from dask.highlevelgraph import HighLevelGraph
+
+    from gpulazy._readlayer import ReadLayer, ReadTask
 
     # Built directly, like dask's graph_from_arraylike: one data-producing task per block.
     layer = {}
     for idx, spec in specs.items():
         key = (name, *idx)
-        layer[key] = Task(key, load_chunk, spec, source, _data_producer=True)
-    from gpulazy._readlayer import ReadLayer
+        layer[key] = ReadTask(key, load_chunk, spec, source, _data_producer=True)
 
     return HighLevelGraph({name: ReadLayer(layer)}, {name: set()})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -215,48 +216,57 @@ def test_find_reads_in_task_shapes():
     assert find_reads(Task("k", sum, [1, 2])) == [] and find_reads(42) == [] and find_reads("x") == []
 
 
-def test_find_reads_sees_through_low_level_fusion(tmp_path):
-    vol, _ = make_volume(tmp_path, n=6, cache=False)
+def test_reads_are_tasks_of_their_own_that_dask_never_fuses(tmp_path):
+    """Each chunk's read is its own task under the array's key: dask's linear fusion, which would
+    merge it with the one task using it and leave an alias under the old key, leaves it alone
+    (``ReadTask``). (Batched reads: ``test_a_map_blocks_runs_a_read_and_a_compute_a_chunk...``.)"""
+    from dask._task_spec import Alias
+
+    vol, data = make_volume(tmp_path, n=6, cache=False)
     x = (vol.map_blocks(np.negative) * 2).sum()
     seen = {}
 
-    def start(dsk):
-        seen.update({k: find_reads(t) for k, t in dsk.items()})
-
-    with Callback(start=start):
-        x.compute()
-    reads = [r for rs in seen.values() for r in rs]
-    assert sorted(s.index for s, _ in reads) == [(i, 0) for i in range(6)]
-    assert not any(k[0] == vol.name for k, rs in seen.items() if rs)  # they were fused away
+    with gpulazy.config.set(batch_size=0), Callback(start=seen.update):
+        got = x.compute()
+    assert got == (np.negative(data) * 2).sum()
+    reads = {k: find_reads(t) for k, t in seen.items() if find_reads(t)}
+    assert sorted(reads) == [(vol.name, i, 0) for i in range(6)]
+    assert all(len(r) == 1 and r[0][0].index == k[1:] for k, r in reads.items())
+    # what uses the reads runs after them: no alias points at a task that reads
+    assert not any(type(t) is Alias and t.target in reads for t in seen.values())
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
-def test_a_map_blocks_under_prefetch_runs_one_task_a_chunk(tmp_path, cache, scheduler):
-    """Dask fuses a chunk's read with the ``map_blocks`` over it under a new name and keeps the
-    old key as an alias, a task of its own: 2 n + 1 tasks for n chunks, where ``da.from_array``
-    runs n + 1. Under prefetch the fused task takes the alias's key (``fold_aliases``)."""
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_a_map_blocks_runs_a_read_and_a_compute_a_chunk_and_no_alias(tmp_path, cache, scheduler, prefetched):
+    """Fused with the ``map_blocks`` over it, a chunk's read became a task named after both plus an
+    ``Alias`` task under the old key (2 n + 1 tasks for n chunks, each fused task running its
+    subgraph through ``execute_graph``). Unfused, each chunk runs its read (or its pick from a read
+    batch) and its compute, with the file's values; no task is an alias."""
+    from dask._task_spec import Alias
+
     vol, data = make_volume(tmp_path, n=12, cache=cache)
     ran: list = []
-    count = Callback(posttask=lambda key, result, dsk, state, worker: ran.append(key))
+    aliases: list = []
+    count = Callback(start=lambda dsk: aliases.extend(k for k, t in dsk.items() if type(t) is Alias),
+                     posttask=lambda key, result, dsk, state, worker: ran.append(key))
     twice = vol.map_blocks(lambda b: b * 2, dtype=vol.dtype)
-    with count:
-        twice.compute(scheduler=scheduler)
-    assert len(ran) >= 2 * 12 + 1  # without prefetch (read batches besides): the aliases stay
-    ran.clear()
-    cache.clear()
-    cache.reset_stats()
-    with gpulazy.prefetch(depth=3), count:
+    with (gpulazy.prefetch(depth=3) if prefetched else contextlib.nullcontext()), count:
         got = twice.compute(scheduler=scheduler)
     np.testing.assert_array_equal(to_host(got), data * 2)
-    assert len(ran) == 12 + 1
-    assert {k for k in ran if isinstance(k, tuple)} == {(twice.name, i, 0) for i in range(12)}
-    s = cache.stats()
-    assert s["prefetched"] > 0 and s["prefetch_hits"] > 0, s
+    assert aliases == []
+    chunks = [k for k in ran if isinstance(k, tuple) and k[0] in (vol.name, twice.name)]
+    assert sorted(chunks) == sorted([(vol.name, i, 0) for i in range(12)] + [(twice.name, i, 0) for i in range(12)])
+    batches = [k for k in ran if isinstance(k, tuple) and k[0].startswith("read-batch-")]
+    assert len(ran) == 2 * 12 + len(batches) + 1 and (batches == []) == prefetched
+    if prefetched:
+        s = cache.stats()
+        assert s["prefetched"] > 0 and s["prefetch_hits"] > 0, s
 
 
 def test_a_prefetched_compute_walks_each_read_task_once(tmp_path, cache, monkeypatch):
-    """Folding the aliases and planning the reads need the same walk of the graph's tasks: it is
-    done once (a graph of 100,000 chunks would walk them twice otherwise)."""
+    """The plan walks the graph's tasks for their reads once a compute (a graph of 100,000 chunks
+    walked twice took as long again)."""
     from gpulazy.prefetch import local
 
     vol, data = make_volume(tmp_path, n=12, cache=cache)
@@ -273,46 +283,6 @@ def test_a_prefetched_compute_walks_each_read_task_once(tmp_path, cache, monkeyp
         got = vol.map_blocks(lambda b: b + 1, dtype=vol.dtype).compute(scheduler="sync")
     np.testing.assert_array_equal(to_host(got), data + 1)
     assert len(walked) == 12 and p.last_summary["reads"] == 12
-    assert not p._scans  # nothing left behind for the next compute
-
-
-def test_aliases_are_folded_only_where_nothing_else_needs_their_target(tmp_path):
-    """An alias dask's fusion made, whose target reads gpulazy chunks and has no other user, is
-    folded; an alias of another name, of a task without reads, or of a target another task needs
-    stays, and the graph computes the same."""
-    from dask._task_spec import Alias, DataNode, Task, TaskRef
-    from dask.local import get_sync
-
-    from gpulazy.prefetch.local import fold_aliases
-
-    vol, data = make_volume(tmp_path, n=4, cache=False)
-    dsk = dict(vol.__dask_graph__())
-    read = dsk[(vol.name, 1, 0)]
-    assert find_reads(read)
-
-    def twice(x):
-        return x * 2
-
-    graph = {
-        ("read-twice", 1, 0): Task(("read-twice", 1, 0), twice, read),          # folded into ("twice", 1, 0)
-        ("twice", 1, 0): Alias(("twice", 1, 0), ("read-twice", 1, 0)),
-        "other-name": Task("other-name", twice, read),                          # not a fusion's name
-        "plain": Alias("plain", "other-name"),
-        "x-y": Task("x-y", twice, DataNode(None, 3)),                           # no gpulazy read
-        "y": Alias("y", "x-y"),
-        ("shared-z", 0): Task(("shared-z", 0), twice, read),                   # needed by another task too
-        ("z", 0): Alias(("z", 0), ("shared-z", 0)),
-        "both": Task("both", np.add, TaskRef(("shared-z", 0)), TaskRef(("z", 0))),
-    }
-    before = get_sync(dict(graph), [("twice", 1, 0), "plain", "y", "both"])
-    assert fold_aliases(graph) == 1
-    assert ("read-twice", 1, 0) not in graph and type(graph[("twice", 1, 0)]) is Task
-    assert graph[("twice", 1, 0)].key == ("twice", 1, 0)
-    assert type(graph["plain"]) is Alias and type(graph["y"]) is Alias and type(graph[("z", 0)]) is Alias
-    after = get_sync(graph, [("twice", 1, 0), "plain", "y", "both"])
-    for a, b in zip(before, after):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(after[0], data[16:32] * 2)
 
 
 @pytest.mark.parametrize("graph", ["fused", "legacy", "a reduction"])

@@ -13,7 +13,7 @@ from gpulazy import config
 from gpulazy.prefetch.plan import ReadAhead, find_reads, window_batch
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["prefetch", "plan_graph", "scan_graph", "fold_aliases"]
+__all__ = ["prefetch", "plan_graph", "scan_graph"]
 
 # --------------------------------------------------------------------------- local scheduler
 
@@ -53,9 +53,6 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
     it gives each compute's read window (``gpulazy._batchread.ReadWindow``) the order
     ``dask.order`` predicts instead of warming the same chunks through the cache.
 
-    Each compute runs one task per chunk where dask fused a chunk's read with what follows it
-    (``fold_aliases``: dask's linear fusion otherwise leaves an alias task per chunk).
-
     Use ``with gpulazy.prefetch():``, ``p.register()`` / ``p.unregister()``, or per
     computation ``x.compute(callbacks=[gpulazy.prefetch()])`` (best when several threads
     compute at once: Dask's active callbacks are process-global). The ``processes``
@@ -81,9 +78,6 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         self.capacity = None if capacity is None else config.parse_bytes(capacity)
         self.cache = cache
         self._runs: dict[int, ReadAhead] = {}
-        # id(dsk) -> (dsk, its scan), from ``start`` to ``start_state``; the graph is held so that
-        # its id names it alone meanwhile
-        self._scans: dict[int, tuple[dict, tuple[dict, dict]]] = {}
         self._lock = threading.Lock()
         #: ``ReadAhead.summary()`` of the last computation that finished.
         self.last_summary: dict[str, Any] | None = None
@@ -95,7 +89,7 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
 
     @property
     def _callback(self) -> tuple:
-        return (self._start, self._start_state, self._pretask, None, self._finish)
+        return (None, self._start_state, self._pretask, None, self._finish)
 
     # ``compute(callbacks=[p])`` hands ``p`` to the scheduler as a 5-tuple of hooks.
     def __iter__(self) -> Iterator:
@@ -128,21 +122,12 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
 
     # -- dask hooks
 
-    def _start(self, dsk: dict) -> None:
-        scan = scan_graph(dsk)  # walked once: the folding and the plan both need it
-        fold_aliases(dsk, scan[0])
-        with self._lock:
-            self._scans[id(dsk)] = (dsk, scan)
-
     def _start_state(self, dsk: dict, state: dict) -> None:
-        with self._lock:
-            held = self._scans.pop(id(dsk), None)
-        scan = held[1] if held is not None else None
         depth = self.depth or config.get("prefetch_depth")
         only = self._only_cache()
         run = ReadAhead(depth=depth, capacity=self.capacity, only=only)
         windows: dict[int, tuple[Any, list[int]]] = {}
-        by_task = plan_graph(dsk, run, windows, ready=state.get("ready"), scan=scan)
+        by_task = plan_graph(dsk, run, windows, ready=state.get("ready"))
         if not by_task and not windows:
             return
         run.by_task = by_task
@@ -170,7 +155,6 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
     def _finish(self, dsk: dict, state: dict, errored: bool) -> None:
         with self._lock:
             run = self._runs.pop(id(state), None)
-            self._scans.pop(id(dsk), None)  # a compute that failed before ``start_state``
         if run is not None:
             run.stop()
             windows = run.windows
@@ -228,8 +212,8 @@ class prefetch:  # noqa: N801 - used like a function: ``with gpulazy.prefetch():
         return summaries(client)
 
 
-def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None, ready: list | None = None,
-               scan: tuple[dict, dict] | None = None) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
+def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None,
+               ready: list | None = None) -> dict[Any, list[tuple[Hashable, ChunkSpec]]]:
     """Read tasks of ``dsk`` in run order: ``{task_key: [(read_id, spec), ...]}``.
 
     Only reads that ``run`` can warm are kept; an empty result means there is nothing
@@ -241,10 +225,8 @@ def plan_graph(dsk: dict, run: ReadAhead, windows: dict | None = None, ready: li
     ``dask.order``'s priorities, last to run first. When every read task is among them (reads
     are the graph's roots), their order is taken from it instead of ordering the graph again:
     ``dask.order`` over the graph of a 64-chunk compute cost about as much as a chunk's read.
-
-    ``scan``: ``scan_graph(dsk)``, when the caller has it already.
     """
-    found, batches = scan if scan is not None else scan_graph(dsk)
+    found, batches = scan_graph(dsk)
     if not found and not (batches and windows is not None):
         return {}
     priority = _ready_rank(ready, found, batches)
@@ -290,53 +272,3 @@ def _ready_rank(ready: list | None, *groups: dict) -> dict | None:
         return None
     return rank
 
-
-def fold_aliases(dsk: dict, found: dict | None = None) -> int:
-    """Give each fused task that reads gpulazy chunks the key of its chain's last task; returns how many.
-
-    Dask's linear fusion (``fuse_linear_task_spec``) names a fused chain after all its layers
-    (``from_files-busy-…``) and keeps the chain's last key as an ``Alias`` of it. The local
-    scheduler runs an alias like any task: one more trip through its thread, its callbacks and
-    a worker per chunk. A ``map_blocks`` over a gpulazy array ran 129 tasks for 64 chunks, the
-    same over ``da.from_array`` 65 (its read is a ``Blockwise`` layer, fused before culling; ours
-    is culled into batches first, so it cannot be one). Here, before dask orders the graph
-    (``start``), such a fused task takes its alias's key and the alias goes: the result is the
-    same task under the key the rest of the graph already asks for. Only aliases named by
-    that fusion whose target reads gpulazy chunks and has no other user are folded.
-
-    ``found``: ``scan_graph(dsk)[0]``, when the caller has it (the reads of a folded task move
-    to its new key there); else each candidate is walked here.
-    """
-    from dask._task_spec import Alias, GraphNode
-
-    def reads(target: Any) -> bool:
-        return bool(found.get(target)) if found is not None else bool(find_reads(dsk[target]))
-
-    folded = [(key, node.target) for key, node in dsk.items()
-              if type(node) is Alias and _fused_name(key, node.target) and isinstance(dsk.get(node.target), GraphNode)
-              and reads(node.target)]
-    if not folded:
-        return 0
-    targets = {target for _, target in folded}
-    users: dict = {}
-    for node in dsk.values():
-        for dep in getattr(node, "dependencies", ()):
-            if dep in targets:
-                users[dep] = users.get(dep, 0) + 1
-    n = 0
-    for key, target in folded:
-        if users.get(target) == 1:
-            dsk[key] = dsk.pop(target).substitute({}, key=key)
-            if found is not None:
-                found[key] = found.pop(target)
-            n += 1
-    return n
-
-
-def _fused_name(key: Any, target: Any) -> bool:
-    """Whether ``target`` is the name dask's fusion gives a chain that ends in ``key``
-    (``dask.optimization.default_fused_keys_renamer``: the other layers' names, then ``key``'s)."""
-    if isinstance(key, tuple) and isinstance(target, tuple):
-        return (len(key) == len(target) and bool(key) and key[1:] == target[1:] and isinstance(key[0], str)
-                and isinstance(target[0], str) and target[0].endswith("-" + key[0]))
-    return isinstance(key, str) and isinstance(target, str) and target.endswith("-" + key)

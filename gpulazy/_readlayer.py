@@ -26,10 +26,10 @@ class ReadTask(Task):
     keep the old key as an ``Alias``, a task of its own. A fused task runs its subgraph through
     ``execute_graph``, which maps the subgraph's dependencies and orders it (``dask.order``) every
     time. So a chunk cost a fused task and an alias; as a task of its own it costs two plain
-    tasks, which is less: on an H200 host a ``map_blocks`` over 64 chunks of 16 MiB ran in 0.76-0.85
-    of the time, sync and threaded schedulers alike, the same under ``gpulazy.prefetch`` in
-    0.80-0.97, and chains of several operations after the read as before, 0.81-1.09
-    (``benchmarks/fusion_ab.py``; benchmarks/RESULTS.md, twenty-fourth session).
+    tasks, which is less: on an H200 host a ``map_blocks`` over 64 chunks of 16 MiB took 0.76-0.86
+    of the time, sync and threaded schedulers alike, under ``gpulazy.prefetch`` 0.70-0.99 (against a
+    tree that folded the aliases away), and chains of several operations after the read as before,
+    0.81-1.09 (``benchmarks/fusion_ab.py``; benchmarks/RESULTS.md, twenty-fourth session).
     """
 
     __slots__ = ()

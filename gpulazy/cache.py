@@ -237,6 +237,16 @@ class DeviceCache:
         """Bytes this cache may hold."""
         return self._capacity
 
+    def keeps(self, nbytes: int) -> bool:
+        """Whether a pass reading ``nbytes`` through this cache is worth keeping in it.
+
+        A pass over more bytes than the capacity is one an LRU cannot keep: each chunk would be
+        put in (a copy, for a chunk handed out) and evicted, the newest evicting the oldest, before
+        any reuse. Computes over such a pass hand their chunks out as read and keep none of them
+        (``gpulazy.prefetch``, the read window of batched reads, streamed reductions).
+        """
+        return nbytes <= self._capacity
+
     @property
     def bytes_held(self) -> int:
         """Bytes of the arrays held now (the sum of their ``nbytes``)."""

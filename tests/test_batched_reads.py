@@ -106,6 +106,31 @@ def test_batches_fill_and_then_hit_the_cache(tmp_path):
         cache.close()
 
 
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_a_pass_larger_than_the_cache_hands_its_chunks_out_uncached(tmp_path, scheduler):
+    """A compute whose batches read more bytes through a cache than it holds would copy every chunk
+    into the cache and evict it before any reuse: its chunks go to their tasks as read, nothing
+    copied or cached. A compute that fits is cached as before, and a second one hits."""
+    paths, data = _planes(tmp_path, n=16)  # 16 chunks of 48 bytes: 768 bytes
+    for capacity, kept in ((700, False), (800, True)):
+        cache = gpulazy.DeviceCache(capacity, device="cpu", name=f"test-batched-one-use-{capacity}")
+        try:
+            vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=cache)
+            twice = vol.map_blocks(lambda b: b * 2, dtype="u2")
+            before = gpulazy.stats().snapshot()["buffers"]["copies"]
+            assert np.array_equal(twice.compute(scheduler=scheduler), data * 2)
+            copies = gpulazy.stats().snapshot()["buffers"]["copies"] - before
+            s = cache.stats()
+            if kept:
+                assert copies == 16 and s["loads"] == 16 and len(cache) == 16
+                assert np.array_equal(vol.max(axis=0).compute(scheduler=scheduler), data.max(axis=0))
+                assert cache.stats()["hits"] == 16 and cache.stats()["loads"] == 16
+            else:
+                assert copies == 0 and s["loads"] == 0 and len(cache) == 0 and cache.bytes_held == 0
+        finally:
+            cache.close()
+
+
 def test_a_read_error_in_a_batch_names_the_file(tmp_path):
     paths, _ = _planes(tmp_path, n=8)
     vol = gpulazy.from_files(paths, shape=(4, 6), dtype="<u2", chunks=(1, 4, 6), device="cpu", cache=False)
@@ -212,9 +237,9 @@ def _spy_starts(monkeypatch, claims=None):
     started, inflight = [], []
     real = cached.CachedBatch.start.__func__
 
-    def start(cls, source, specs):
+    def start(cls, source, specs, **kw):
         started.append(specs[0].index[0])
-        return real(cls, source, specs)
+        return real(cls, source, specs, **kw)
 
     monkeypatch.setattr(cached.CachedBatch, "start", classmethod(start))
     top_up, claim = window.ReadWindow._top_up, window.ReadWindow.claim

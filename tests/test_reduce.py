@@ -88,6 +88,25 @@ def test_hits_come_from_the_cache_and_misses_are_read_once(tmp_path):
     cache.close()
 
 
+def test_a_reduction_over_more_than_the_cache_holds_keeps_none_of_it(tmp_path):
+    """Its chunks would each be copied into the cache and evicted before any reuse: none is offered,
+    nothing copied. A reduction that fits fills the cache, and the next one folds it where it lies."""
+    data = np.arange(8 * 6 * 4, dtype="<u2").reshape(8, 6, 4)  # 4 chunks of 96 bytes: 384
+    for capacity, kept in ((300, False), (400, True)):
+        cache = gpulazy.DeviceCache(capacity, device="cpu")
+        try:
+            vol = _vol(tmp_path, data, (2, 6, 4), cache=cache)
+            before = gpulazy.stats().snapshot()["buffers"]["copies"]
+            np.testing.assert_array_equal(vol.max(axis=0).compute(), data.max(axis=0))
+            copies = gpulazy.stats().snapshot()["buffers"]["copies"] - before
+            assert (copies, len(cache), cache.stats()["loads"]) == ((4, 4, 4) if kept else (0, 0, 0))
+            read = gpulazy.stats().snapshot()["bytes_read"]
+            assert vol.sum().compute() == data.sum()
+            assert gpulazy.stats().snapshot()["bytes_read"] - read == (0 if kept else data.nbytes)
+        finally:
+            cache.close()
+
+
 def test_dask_reduces_when_asked_or_when_the_arguments_need_it(tmp_path):
     data = np.arange(60, dtype="<u2").reshape(6, 10)
     vol = _vol(tmp_path, data, (2, 5))

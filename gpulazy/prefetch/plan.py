@@ -394,7 +394,7 @@ class ReadAhead:
         """
         if self.inline:
             self.one_use = {rid for rid, spec in reads if self._uses.get(spec.key) == 1
-                            and self._bytes[id(self._where[rid][1])] > self._where[rid][1].capacity}
+                            and not self._where[rid][1].keeps(self._bytes[id(self._where[rid][1])])}
         self.plan = ReadAheadPlan(reads, depth=self.depth, budget=self.budget())
         self.issue()
 

@@ -4,7 +4,8 @@
 prefetches is reading already (in-flight reads are never read twice), and starts one engine
 submission for the rest, from the calling thread. ``result()`` waits for all of them;
 ``chunk(i)`` for one, so each ``pick`` task of a windowed batch waits for its own read only.
-Chunks read here are offered to the cache as they are handed out.
+Chunks read here are offered to the cache as they are handed out, unless the batch is part of
+a pass the cache cannot keep (``keep=False``: ``gpulazy.read.window``).
 """
 
 from __future__ import annotations
@@ -20,21 +21,25 @@ __all__ = ["CachedBatch"]
 class CachedBatch:
     """Chunks of one batch: served from the cache or in flight; ``result()`` gives their arrays."""
 
-    __slots__ = ("source", "specs", "arrays", "held", "slot", "reads")
+    __slots__ = ("source", "specs", "keep", "arrays", "held", "slot", "reads")
 
-    def __init__(self, source: Any, specs: tuple[ChunkSpec, ...]):
-        self.source, self.specs = source, specs
+    def __init__(self, source: Any, specs: tuple[ChunkSpec, ...], keep: bool = True):
+        self.source, self.specs, self.keep = source, specs, keep
         self.arrays: list[Any] = [None] * len(specs)
         self.held: list[int] = []       # chunks a prefetch of the cache is reading
         self.slot: dict[int, int] = {}  # chunk -> its place in ``reads``
         self.reads: Any = None          # the engine's ``Reads`` of the others
 
     @classmethod
-    def start(cls, source: Any, specs: tuple[ChunkSpec, ...]) -> CachedBatch:
-        """Serve the cached chunks of ``specs`` and submit reads for the rest, from this thread."""
+    def start(cls, source: Any, specs: tuple[ChunkSpec, ...], *, keep: bool = True) -> CachedBatch:
+        """Serve the cached chunks of ``specs`` and submit reads for the rest, from this thread.
+
+        ``keep=False``: the chunks read are handed out as they were read, not offered to the cache
+        (which would keep a copy of each, evicting older entries for it).
+        """
         from gpulazy.integrity import check_all_unchanged
 
-        self = cls(source, specs)
+        self = cls(source, specs, keep)
         cache = source.cache_instance()
         if cache is not None:
             self.arrays = cache.get_cached(specs)
@@ -73,7 +78,7 @@ class CachedBatch:
         if k is None:  # held: a prefetch of the cache is reading it
             return cache.get(spec, source.read)
         read = self.reads.chunk(k)
-        return read if cache is None else cache.get(spec, lambda s, a=read: a)
+        return read if cache is None or not self.keep else cache.get(spec, lambda s, a=read: a)
 
 
 def _start_retrying(specs: list[ChunkSpec], source: Any) -> Any:

@@ -72,7 +72,8 @@ class ReduceStream:
     A compute runs ``start``, then ``step(k)`` for each group in order (a dask task each: an
     interrupt or a failure stops between groups, and a progress bar sees each one), then
     ``result``. Each step finishes its group (cached chunks folded where they lie, the others
-    as their reads land, then offered to the cache) and first submits the groups after it
+    as their reads land, then offered to the cache unless the reduction reads more than the
+    cache holds) and first submits the groups after it
     while the bytes held by reads in flight stay within config ``read_ahead``, so reading the
     next groups overlaps folding this one. Sent to another process between steps (a
     ``dask.distributed`` worker), it finishes its reads in flight and travels as its running
@@ -87,6 +88,9 @@ class ReduceStream:
         self.dev = get_device(source.device)
         self.backend = source.backend_instance()
         self.cache = source.cache_instance()
+        # A reduction over more bytes than its cache holds offers it nothing it reads: each chunk
+        # would be copied in and evicted before any reuse (``DeviceCache.keeps``).
+        self.offer = self.cache is not None and self.cache.keeps(sum(s.out_nbytes for g in groups for s in g))
         with self.dev.activate():
             self.acc = _Accumulator(op, chunks, axis, dtype, cast, ddof, self.dev)
         largest = max((s.out_nbytes + s.nbytes for g in groups for s in g), default=0)
@@ -182,7 +186,7 @@ class ReduceStream:
         with own_stream(self.dev):  # one wait for the group's folds
             for spec, arr in zip(misses, arrays):
                 self.acc.fold(spec, arr)
-        if self.cache is not None:
+        if self.offer:
             for spec, arr in zip(misses, arrays):
                 self.cache.get(spec, lambda s, a=arr: a)  # kept (one copy) when there is room
 

@@ -10,6 +10,13 @@ interleaved, the last batch 130 ms in, where the whole-array read, which submits
 in order from one thread, lands chunk after chunk and ends at 96 ms. Under the sync scheduler
 the read-ahead is also what overlaps reading the next batches with computing on this one.
 
+A compute that reads more bytes through a cache than the cache holds is a pass an LRU cannot
+keep (``DeviceCache.keeps``): each chunk would be copied into the cache (``DeviceCache.get`` keeps a
+copy of what it hands out) and evicted before any reuse. Its chunks are handed to their ``pick``
+tasks as read, uncached (``CachedBatch.start(keep=False)``), as ``gpulazy.prefetch`` and streamed
+reductions do for such a pass. On an H200 host the copy and its wait took 0.1 ms of the task's thread a chunk of 16
+MiB on the sync scheduler, 1.7 ms on the threaded one, where the tasks' threads wait for the GIL
+(``benchmarks/prefetch_host_time.py``, the pass without prefetch; RESULTS, twenty-third session).
 A window exists only in the process that culled the graph: pickled (to ``dask.distributed``
 workers) it becomes ``None`` and every batch task reads its own batch and returns its arrays
 (a batch in flight cannot travel to another worker). Batches started and never claimed, or
@@ -56,6 +63,7 @@ class ReadWindow:
         self._inflight = 0                               # bytes started and not yet claimed
         self._last: int | None = None                    # the batch claimed last
         self._order: list[int] | None = None             # the run order, when known
+        self._keep: bool | None = None                   # whether its chunks go into the cache
         #: Batches started ahead of their tasks, and those their task had to start itself.
         self.read_ahead = self.started_by_task = 0
 
@@ -74,7 +82,7 @@ class ReadWindow:
                 self._inflight -= _nbytes(mine.specs)
             self._state[j] = True
             if not isinstance(mine, CachedBatch):  # not started yet (or a task run again)
-                mine = CachedBatch.start(self.source, self.batches[j])
+                mine = CachedBatch.start(self.source, self.batches[j], keep=self._kept())
                 self.started_by_task += 1
             self._top_up(self._next(j))
             self._last = j
@@ -94,6 +102,13 @@ class ReadWindow:
         step = 1 if last is not None and (j - last) % n < (last - j) % n else -1
         return ((j + step * k) % n for k in range(1, n))
 
+    def _kept(self) -> bool:
+        # Lock held. Whether the chunks go into their cache: only when the whole compute fits it.
+        if self._keep is None:
+            cache = self.source.cache_instance()
+            self._keep = cache is None or cache.keeps(sum(map(_nbytes, self.batches)))
+        return self._keep
+
     def _top_up(self, upcoming: Any) -> None:
         # Lock held. Start the unstarted batches of ``upcoming``, in order, while they fit.
         state = self._state
@@ -104,7 +119,7 @@ class ReadWindow:
             if self._inflight + nbytes > self.ahead:
                 return
             try:
-                state[i] = CachedBatch.start(self.source, self.batches[i])
+                state[i] = CachedBatch.start(self.source, self.batches[i], keep=self._kept())
             except Exception:
                 return  # its own task reads it, and raises there
             self._inflight += nbytes

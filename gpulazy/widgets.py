@@ -460,6 +460,11 @@ class Dashboard:
         self._children = [self.widget, *self.widget.children[3].children, *self.widget.children[5].children,
                           *self.widget.children]
 
+    def _figure_parts(self) -> list[Any]:
+        """The widgets ``_render`` sets."""
+        return [self.plot, self.throughput, self.cache_bar, self.cache_label, self.queue, self.memory_bar,
+                self.memory_label, self.backend, self.modes]
+
     def _render(self, f: dict[str, Any]) -> None:
         t = f["text"]
         self.plot.value = sparkline_svg(f["series"], seconds=self._stats.window)
@@ -505,14 +510,24 @@ class Dashboard:
                                  self._read_gpu_info(), history=self._stats.history(1.0))
 
     # -- refreshing -------------------------------------------------------------------
-    def update(self) -> bool:
-        """Refresh once; returns False (and records ``last_error``) if that failed."""
+    def update(self, *, resend: bool = True) -> bool:
+        """Refresh once; returns False (and records ``last_error``) if that failed.
+
+        ``resend``: send every figure to the front end, changed or not (the refresh thread sends only
+        what changed). A change the thread sent between two cells is missed by a notebook saved with
+        its widget state (``nbclient`` keeps a cell's messages only while that cell runs), and the
+        cell's own ``update()`` then found nothing changed: the saved page showed a stale figure
+        ("backend no reads yet" after the reads).
+        """
         if self._closed:
             return False
         try:
             with self._refreshing:
                 f = self.read_figures()
                 self._render(f)
+                if resend:
+                    for part in self._figure_parts():
+                        part.send_state("value")
         except Exception as e:  # a display must never take the kernel down
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -538,7 +553,7 @@ class Dashboard:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.update()
+                self.update(resend=False)
             except BaseException as e:  # pragma: no cover - update() already catches Exception
                 self.last_error = f"{type(e).__name__}: {e}"
 

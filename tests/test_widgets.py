@@ -208,6 +208,27 @@ def test_a_refresh_that_read_earlier_never_overwrites_a_later_one():
         dash.close()
 
 
+def test_an_explicit_update_sends_every_figure_and_the_thread_only_changes(monkeypatch):
+    """A notebook saved with its widget state keeps a cell's messages only while the cell runs: a
+    change the refresh thread sent between cells is lost, so the cell's ``update()`` sends every
+    figure again, changed or not; the thread's refreshes send only what changed."""
+    from ipywidgets import Widget
+
+    sent: list = []
+    monkeypatch.setattr(Widget, "send_state", lambda self, key=None: sent.append((self, key)))
+    dash = Dashboard(start=False, stats=Stats(), cache=_CacheFigures())
+    try:
+        assert dash.update(resend=False)
+        sent.clear()
+        assert dash.update(resend=False)  # as the thread does: the backend's text did not change
+        assert not any(w is dash.backend for w, _ in sent)
+        sent.clear()
+        assert dash.update()
+        assert {id(w) for w in dash._figure_parts()} <= {id(w) for w, key in sent if key == "value"}
+    finally:
+        dash.close()
+
+
 def test_dashboard_without_gpu_says_why():
     dash = Dashboard(start=False, stats=Stats(), device="cpu", cache=_CacheFigures())
     try:

@@ -141,6 +141,24 @@ def test_a_read_error_in_a_batch_names_the_file(tmp_path):
     assert info.value.__cause__ is not info.value  # never its own cause
 
 
+def test_read_tasks_travel_to_other_processes_still_unfused():
+    """What dask.distributed does to a task: pickled (cloudpickle for the graph), it is still a
+    ``ReadTask`` that dask's fusion leaves alone, with the same key and dependencies."""
+    import pickle
+
+    import cloudpickle
+    from dask._task_spec import TaskRef
+
+    from gpulazy._readlayer import ReadTask
+    from gpulazy.array import pick
+
+    task = ReadTask(("a", 0), pick, TaskRef(("b", 0)), 1)
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        back = pickle.loads(dumps(task))
+        assert type(back) is ReadTask and back.block_fusion
+        assert back.key == ("a", 0) and back.dependencies == frozenset({("b", 0)}) and back.args[1] == 1
+
+
 def test_distributed_runs_batched_graphs(tmp_path):
     distributed = pytest.importorskip("distributed")
     paths, data = _planes(tmp_path, n=16)

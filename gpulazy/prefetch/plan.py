@@ -393,8 +393,10 @@ class ReadAhead:
         cached as usual. Only reads started in this thread (``inline``) can be handed over.
         """
         if self.inline:
+            caches = {id(c): c for _, c in self._where.values()}
+            kept = {key: cache.keeps(self._bytes[key]) for key, cache in caches.items()}
             self.one_use = {rid for rid, spec in reads if self._uses.get(spec.key) == 1
-                            and not self._where[rid][1].keeps(self._bytes[id(self._where[rid][1])])}
+                            and not kept[id(self._where[rid][1])]}
         self.plan = ReadAheadPlan(reads, depth=self.depth, budget=self.budget())
         self.issue()
 

@@ -460,23 +460,24 @@ class Dashboard:
         self._children = [self.widget, *self.widget.children[3].children, *self.widget.children[5].children,
                           *self.widget.children]
 
-    def _figure_parts(self) -> list[Any]:
-        """The widgets ``_render`` sets."""
-        return [self.plot, self.throughput, self.cache_bar, self.cache_label, self.queue, self.memory_bar,
-                self.memory_label, self.backend, self.modes]
-
-    def _render(self, f: dict[str, Any]) -> None:
+    def _render(self, f: dict[str, Any]) -> list[Any]:
+        """Show the figures ``f``; returns the widgets set (what ``update(resend=True)`` sends again)."""
         t = f["text"]
-        self.plot.value = sparkline_svg(f["series"], seconds=self._stats.window)
-        self.throughput.value = _span("throughput", t["throughput"], gbps=f"{f['throughput_gbps']:.4f}",
-                                      bytes_read=f["bytes_read"])
-        self.cache_bar.value = f["cache"]["occupancy"] if f["cache"] else 0.0
-        self.cache_label.value = _span("cache", t["cache"])
-        self.queue.value = _span("queue", t["queue"], queued=f["queued"], in_flight=f["in_flight"])
-        self.memory_bar.value = f["memory"]["fraction"]
-        self.memory_label.value = _span("memory", t["memory"], used=f["memory"].get("used", 0))
-        self.backend.value = _span("backend", t["backend"])
-        self.modes.value = _span("modes", t["modes"]) + "<br>" + _span("decode", t["decode"])
+        values = [
+            (self.plot, sparkline_svg(f["series"], seconds=self._stats.window)),
+            (self.throughput, _span("throughput", t["throughput"], gbps=f"{f['throughput_gbps']:.4f}",
+                                    bytes_read=f["bytes_read"])),
+            (self.cache_bar, f["cache"]["occupancy"] if f["cache"] else 0.0),
+            (self.cache_label, _span("cache", t["cache"])),
+            (self.queue, _span("queue", t["queue"], queued=f["queued"], in_flight=f["in_flight"])),
+            (self.memory_bar, f["memory"]["fraction"]),
+            (self.memory_label, _span("memory", t["memory"], used=f["memory"].get("used", 0))),
+            (self.backend, _span("backend", t["backend"])),
+            (self.modes, _span("modes", t["modes"]) + "<br>" + _span("decode", t["decode"])),
+        ]
+        for part, value in values:
+            part.value = value
+        return [part for part, _ in values]
 
     # -- figure sources (read only) -------------------------------------------------
     def _cache_instance(self) -> Any:
@@ -524,9 +525,9 @@ class Dashboard:
         try:
             with self._refreshing:
                 f = self.read_figures()
-                self._render(f)
+                parts = self._render(f)
                 if resend:
-                    for part in self._figure_parts():
+                    for part in parts:
                         part.send_state("value")
         except Exception as e:  # a display must never take the kernel down
             self.errors += 1

@@ -70,3 +70,27 @@ def _fresh_config():
     gpulazy.config.reset()
     yield
     gpulazy.config.reset()
+
+
+def gated_preadv(monkeypatch, gate, blocked: str, timeout: float = 30.0):
+    """Every read of the file ``blocked`` waits for ``gate`` (a ``threading.Event``); the event
+    returned is set by the first. Its ``timed_out`` lists each read that went on only because
+    ``timeout`` passed (what a test that must open the gate first asserts empty)."""
+    import os
+    import threading
+
+    from gpulazy.io import _posix
+
+    entered = threading.Event()
+    entered.timed_out = []
+    real = _posix._preadv
+
+    def preadv(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}") == blocked:
+            entered.set()
+            if not gate.wait(timeout):
+                entered.timed_out.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(_posix, "_preadv", preadv)
+    return entered

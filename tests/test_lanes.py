@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from gpulazy.device import gpu_count
-from gpulazy.io import _posix, get_backend
+from gpulazy.io import get_backend
 from gpulazy.spec import ByteRange
 from gpulazy.testing import file_bytes, write_file
+
+from conftest import gated_preadv
 
 
 @pytest.fixture
@@ -20,21 +22,6 @@ def gate():
     g = threading.Event()
     yield g
     g.set()  # reads still held at the gate end with the test
-
-
-def gated_preadv(monkeypatch, gate: threading.Event, blocked: str) -> threading.Event:
-    """Every read of the file ``blocked`` waits for ``gate``; the event returned is set by the first."""
-    entered = threading.Event()
-    real = _posix._preadv
-
-    def preadv(fd, buffers, offset):
-        if os.readlink(f"/proc/self/fd/{fd}") == blocked:
-            entered.set()
-            gate.wait(30)
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(_posix, "_preadv", preadv)
-    return entered
 
 
 def test_each_lane_has_its_own_instance_and_lanes_are_checked():

@@ -257,16 +257,19 @@ def _read_in_groups(todo: list[tuple[ChunkSpec, Any]], backend: Any, verify: boo
 
 
 def read_in_order(todo: Iterable[tuple[ChunkSpec, Any]], backend: Any, verify: bool, landed: Any, limit: int, *,
-                  like: list[ChunkSpec] | None = None) -> None:
+                  like: list[ChunkSpec] | None = None, each: bool = False) -> None:
     """Read ``todo``'s chunks in order, a submission per ``GROUP`` bytes (growing for chunks that
     decode, see ``_decode_group``), calling ``landed(spec, arr)``
-    for each as its submission is finished (in order).
+    for each as its submission is finished (in order); ``each=True``: for each chunk read as
+    stored as soon as its own read is in (the rest of its submission may still be reading),
+    so what ``landed`` does with one chunk overlaps the reads of the next.
 
     A destination of ``None`` is allocated by the engine. Bytes held by chunks not yet handed
     to ``landed`` (stored bytes waiting to decode, arrays the engine allocated) stay within
     ``limit``: the oldest submission is finished before the next would pass it, so reading the
     next submissions overlaps what ``landed`` does with this one. The first error is raised
-    once every submitted read has settled; ``landed`` is not called after it.
+    once every submitted read has settled; ``landed`` is not called after it (an error ``landed``
+    raises is one of them).
 
     ``todo`` may be an iterator whose chunks are made as submissions need them (each group once
     the next chunk is seen not to fit in it); then ``like``, the chunks they are made of, sizes
@@ -288,18 +291,25 @@ def read_in_order(todo: Iterable[tuple[ChunkSpec, Any]], backend: Any, verify: b
     held = 0
     errors: list[BaseException] = []
 
+    # Chunks that decode are finished by the settle threads, a submission at a time.
+    one_by_one = each and not threaded
+
     def hand_out() -> None:
         nonlocal held
         reads, settled, group, nbytes = inflight.popleft()
-        settled()
+        if not one_by_one:
+            settled()
         for k, (spec, _) in enumerate(group):
+            if errors and one_by_one:
+                break  # (settled below)
             try:
                 arr = reads.chunk(k)
+                if not errors:
+                    landed(spec, arr)
             except BaseException as e:  # kept; raised once every read has settled
                 errors.append(e)
-                continue
-            if not errors:
-                landed(spec, arr)
+        if one_by_one:
+            settled()  # what an error left reading
         held -= nbytes
 
     try:

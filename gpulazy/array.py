@@ -313,6 +313,13 @@ def _array_class() -> type:
                 from gpulazy.read.reduce import run_stream
 
                 return run_stream(*chain)
+            mapped = getattr(self, "_gl_map_of", None)
+            if (mapped is not None and mapped[0] == self.name and _local_compute(kwargs)
+                    and not _active_callbacks(kwargs)):
+                self.compute_path = "fast"
+                from gpulazy.read.mapped import run_map
+
+                return run_map(*mapped[1:], self.dtype, threaded=_threaded(kwargs))
             if self._fast_path_ok(kwargs):
                 self.compute_path = "fast"
                 return self._read_whole_with_hooks(kwargs.get("callbacks"))
@@ -337,6 +344,17 @@ def _array_class() -> type:
                 raise
             hooks.finish(False)
             return out
+
+        def map_blocks(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+            """``dask.array.Array.map_blocks``; its ``compute()`` calls ``func`` on each chunk as its read
+            lands (``gpulazy.read.mapped``) when the map is one call per chunk with nothing else to know."""
+            out = super().map_blocks(func, *args, **kwargs)
+            given = {k: v for k, v in kwargs.items() if k not in _MAP_OPTIONS}
+            if not _streams_map(self, func, args, kwargs, given, out):
+                return out
+            mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
+            mapped._gl_map_of = (out.name, self._gl_specs, self._gl_source, self.chunks, func, given)
+            return mapped
 
         # -- reductions that run as the reads land (gpulazy.read.reduce) ----------------------
 
@@ -443,6 +461,33 @@ def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: An
     # dask.compute, callbacks (progress bars, the prefetcher) and clusters run the graph.
     out._gl_stream_of = (groups, base._gl_source, base.chunks, base.dtype, op, axis, ddof, cast, keepdims)
     return out
+
+
+#: ``map_blocks`` keywords that are dask's, not the function's.
+_MAP_OPTIONS = ("name", "token", "dtype", "chunks", "drop_axis", "new_axis", "enforce_ndim", "meta")
+
+
+def _streams_map(arr: Any, func: Any, args: tuple, kwargs: dict, given: dict, out: Any) -> bool:
+    """Whether ``arr.map_blocks(func, *args, **kwargs)`` (giving ``out``) is one call per chunk of the
+    files as they are, with nothing but the chunk and ``given`` keywords to pass: the calls
+    ``gpulazy.read.mapped`` makes."""
+    from dask.base import is_dask_collection
+    from dask.utils import has_keyword
+
+    return (bool(config.get("streamed_maps")) and getattr(arr, "_gl_name", None) == arr.name and not args
+            and kwargs.get("chunks") is None and not kwargs.get("drop_axis") and not kwargs.get("new_axis")
+            and not kwargs.get("enforce_ndim") and callable(func)
+            and not any(has_keyword(func, k) for k in ("block_info", "block_id"))
+            and not any(is_dask_collection(v) for v in given.values())
+            and out.chunks == arr.chunks and all(all(c) for c in out.chunks))
+
+
+def _threaded(kwargs: dict) -> bool:
+    """Whether a local ``compute(**kwargs)`` runs on dask's threaded scheduler (its default for arrays)."""
+    import dask
+
+    scheduler = kwargs.get("scheduler") or dask.config.get("scheduler", None) or "threads"
+    return scheduler.lower() in ("threads", "threading")
 
 
 def _local_compute(kwargs: dict) -> bool:

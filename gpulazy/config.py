@@ -104,6 +104,9 @@ KEYS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], str]] = {
     "fused_reductions": (lambda: True, _flag,
                          "max/min/sum/mean/var/std of a gpulazy array (also after astype) run as one task "
                          "folding each chunk as its read lands (False: dask's per-chunk reduction tree)"),
+    "streamed_maps": (lambda: True, _flag,
+                      "vol.map_blocks(func).compute() of a gpulazy array calls func on each chunk as its read "
+                      "lands, into one result (False: dask's task a chunk)"),
     "max_chunks": (lambda: 1_000_000, _positive_int,
                    "the most pieces (dask chunks, stored chunks or byte runs) one array is indexed into; opening "
                    "takes ~11 us and ~450 bytes per piece, and more raise LayoutError naming a chunking that fits"),

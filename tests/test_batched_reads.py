@@ -27,9 +27,10 @@ from conftest import to_host
 
 @pytest.fixture(autouse=True)
 def _dask_reductions():
-    """These tests drive dask's per-chunk read path with reductions; the streamed reductions
-    (``gpulazy.read.reduce``, the default) are tested in tests/test_reduce.py."""
-    with gpulazy.config.set(fused_reductions=False):
+    """These tests drive dask's per-chunk read path with reductions and maps; the streamed
+    reductions and maps (``gpulazy.read.reduce``, ``gpulazy.read.mapped``, the default) are tested
+    in tests/test_reduce.py and tests/test_mapped.py."""
+    with gpulazy.config.set(fused_reductions=False, streamed_maps=False):
         yield
 
 

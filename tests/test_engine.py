@@ -64,14 +64,31 @@ def test_a_dask_path_miss_is_one_allocation_and_no_copy(tmp_path, allocs, dtype)
     p, data = _raw(tmp_path, dtype=dtype)
     vol = gpulazy.from_files(p, shape=data.shape, dtype=dtype, chunks=(2, 16, 16), device="cpu", cache=False)
     before = _buffers()
-    got = vol.map_blocks(lambda b: b + 0).compute(scheduler="sync")
+    with gpulazy.config.set(streamed_maps=False):  # a chunk task each (the streamed map: test_mapped.py)
+        got = vol.map_blocks(lambda b: b + 0).compute(scheduler="sync")
     np.testing.assert_array_equal(got, data)
     n = vol.numblocks[0]
     assert _delta(before) == {"outputs": n, "staging": 0, "copies": 0}
     assert allocs.count((2, 16, 16)) == n  # one array per chunk, and no other chunk-sized one
 
 
-def test_a_miss_through_a_cache_adds_one_copy_into_the_cache(tmp_path, allocs):
+def test_a_streamed_map_miss_is_one_allocation_a_chunk_and_the_result_once(tmp_path, allocs):
+    """``vol.map_blocks(f).compute()`` (``gpulazy.read.mapped``): the engine allocates each chunk it reads
+    (the chunk ``f`` gets) and the result is allocated once; ``f``'s own blocks are copied into it."""
+    p, data = _raw(tmp_path)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=False)
+    before = _buffers()
+    mapped = vol.map_blocks(lambda b: b * 3, dtype=vol.dtype)
+    np.testing.assert_array_equal(mapped.compute(scheduler="sync"), data * 3)
+    assert mapped.compute_path == "fast"
+    n = vol.numblocks[0]
+    assert _delta(before) == {"outputs": n, "staging": 0, "copies": 0}
+    assert sorted(allocs) == sorted([(2, 16, 16)] * n + [data.shape])
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["dask", "streamed"])
+def test_a_miss_through_a_cache_adds_one_copy_into_the_cache(tmp_path, allocs, streamed):
+    gpulazy.config.set(streamed_maps=streamed)  # (put back by conftest's _fresh_config)
     p, data = _raw(tmp_path)
     cache = gpulazy.DeviceCache("1 MiB", device="cpu")
     vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu", cache=cache)
@@ -96,7 +113,9 @@ def test_the_whole_array_path_reads_every_chunk_into_its_slice(tmp_path, allocs)
     assert allocs == [data.shape]  # the result, once
 
 
-def test_a_compressed_miss_stages_its_stored_bytes_and_places_each_piece_once(tmp_path, allocs):
+@pytest.mark.parametrize("streamed", [False, True], ids=["dask", "streamed"])
+def test_a_compressed_miss_stages_its_stored_bytes_and_places_each_piece_once(tmp_path, allocs, streamed):
+    gpulazy.config.set(streamed_maps=streamed)  # (put back by conftest's _fresh_config)
     data = np.random.default_rng(1).integers(0, 999, (8, 16, 16)).astype("<u2")
     p = zstd_zarr(tmp_path / "v.zarr", data, (2, 16, 16))
     vol = gpulazy.from_files(p, device="cpu", cache=False, chunks=(2, 16, 16))  # a dask chunk per stored one

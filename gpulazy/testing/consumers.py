@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpulazy import config
 from gpulazy.device import get_device
 from gpulazy.errors import ChunkReadError, GpulazyError
 from gpulazy.stats import default_stats
@@ -150,9 +151,26 @@ def _consume_dask(scheduler: str) -> Callable[[Case], None]:
         plus = vol + 0
         assert getattr(plus, "compute_path", None) is None  # dask's array: culled read_batch/pick tasks
         case.check(plus.compute(scheduler=scheduler), ref + 0, f"(vol + 0).compute(scheduler={scheduler!r})")
-        copied = vol.map_blocks(lambda b: b.copy(), dtype=vol.dtype)
+        with config.set(streamed_maps=False):  # dask's task a chunk (the streamed map: ``consume_map``)
+            copied = vol.map_blocks(lambda b: b.copy(), dtype=vol.dtype)
         case.check(copied.compute(scheduler=scheduler), ref, f"vol.map_blocks(copy).compute(scheduler={scheduler!r})")
+        assert getattr(copied, "compute_path", None) is None
     return consume
+
+
+def consume_map(case: Case) -> None:
+    """``vol.map_blocks(f).compute()`` as the reads land (``gpulazy.read.mapped``), a block of the
+    chunk's shape and one of another shape, on both local schedulers."""
+    vol, ref = case.open(), case.reference
+    for scheduler in ("sync", "threads"):
+        doubled = vol.map_blocks(lambda b: b.astype("f8") * 2, dtype="f8")
+        case.check(doubled.compute(scheduler=scheduler), ref.astype("f8") * 2,
+                   f"vol.map_blocks(b * 2).compute(scheduler={scheduler!r})")
+        assert doubled.compute_path == "fast"
+        heads = vol.map_blocks(lambda b: b[:1].copy(), dtype=vol.dtype)
+        starts = list(itertools.accumulate(vol.chunks[0][:-1], initial=0))
+        case.check(heads.compute(scheduler=scheduler), ref[starts], f"vol.map_blocks(b[:1]).compute({scheduler!r})")
+        assert heads.compute_path == "fast"
 
 
 def consume_slice(case: Case) -> None:
@@ -342,6 +360,7 @@ CONSUMERS: dict[str, Callable[[Case], None]] = {
     "compute": consume_compute,
     "dask-sync": _consume_dask("sync"),
     "dask-threads": _consume_dask("threads"),
+    "map": consume_map,
     "slice": consume_slice,
     "max": consume_max,
     "sum-f8": consume_sum,

@@ -1,0 +1,259 @@
+"""``map_blocks`` as the reads land: ``vol.map_blocks(func).compute()`` without a dask task a chunk.
+
+Through dask, a ``map_blocks`` over a gpulazy array costs two tasks a chunk (its read, then
+``func``) and dask's own work for each: on an H200, 1 GiB of 16 MiB chunks took 51-64 ms that way
+against 24 ms for the whole read. Here the chunks are read as the whole-array path reads them
+(``whole.read_in_order``: submissions of 256 MiB in block order, as much in flight as the
+device's free memory allows) and ``func`` is called on each chunk as its own read lands, while
+the later reads go on; each block ``func`` returns is copied into its place in the result,
+allocated once, and dropped. What a block costs is one ``func`` call and one copy, and device
+memory holds the result, the reads in flight and the blocks being made, never every block at once
+(dask's ``compute`` holds every block and then concatenates them).
+
+``func`` sees what a dask task would give it: a chunk of its own (a cached chunk is copied out
+of the cache first, so ``func`` may write into its input), on the device the array lives on. On
+a GPU its kernels run on a non-blocking stream of the map's own (``_MapStream``), so they
+overlap the copies of the next reads, and the result is complete on every stream when the
+compute returns; the calls are made in the calling thread. On ``"cpu"`` with the threaded
+scheduler (dask's default for arrays) they run on ``num_workers`` threads, as dask's would
+(``workers``). A block of another shape, dtype or array type than the result's is kept as it
+is, and the result is then put together as dask puts it together (``concatenate3``).
+
+``GpulazyArray.map_blocks`` takes this path only where dask's graph would be one call per chunk
+with nothing else to know: one array, no ``chunks=``, ``drop_axis``, ``new_axis`` or
+``enforce_ndim``, no ``block_info``/``block_id`` parameter and no dask collection among the
+keywords; its ``compute()`` only on a local scheduler with no dask callback other than
+``gpulazy.prefetch``'s (config ``streamed_maps=False`` turns it off).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from gpulazy.device import Device, get_device
+from gpulazy.read.whole import STAGED, held_bytes, inflight_room, read_in_order
+from gpulazy.spec import ChunkSpec
+
+__all__ = ["run_map"]
+
+
+def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dict, dtype: Any,
+            threaded: bool = False) -> Any:
+    """``func(chunk, **kwargs)`` of every chunk of ``specs``, put together as dask's ``map_blocks`` would.
+
+    ``threaded`` (dask's threaded scheduler): on ``"cpu"``, ``func`` runs on dask's ``num_workers``
+    threads; on a GPU, and otherwise, in the calling thread (``workers``). Chunks ``source``'s cache holds
+    are copied out and mapped while the first reads are in flight; the others are read (and
+    offered to the cache unless the map reads more than it holds, ``DeviceCache.keeps``). The
+    first error (a read's, ``func``'s) is raised once every read has settled and every call
+    already started has returned.
+    """
+    dev = get_device(source.device)
+    cache = source.cache_instance()
+    backend = source.backend_instance()
+    with dev.activate():
+        result = _Result(chunks, dtype, dev)
+        calls = _Calls(func, kwargs, result, workers(dev, threaded), dev)
+        try:
+            hits, todo = _split(list(specs.values()), source, cache)
+            keep = cache is not None and cache.keeps(sum(s.out_nbytes for s in specs.values()))
+
+            def landed(spec: ChunkSpec, arr: Any) -> None:
+                while hits:  # mapped once the first reads are in flight
+                    calls.map(*hits.pop(0)())
+                if keep:
+                    arr = cache.get(spec, lambda s, a=arr: a)  # kept; ``func`` gets a copy
+                calls.map(spec, arr)
+
+            if todo:
+                largest = max(held_bytes(s) for s, _ in todo)
+                read_in_order(todo, backend, source.verify, landed, max(STAGED, inflight_room(dev), 2 * largest),
+                              each=True)
+            while hits:  # (nothing was read)
+                calls.map(*hits.pop(0)())
+        except BaseException:
+            calls.close(cancel=True)
+            raise
+        calls.close()
+        return result.value()
+
+
+def workers(dev: Device, threaded: bool) -> int:
+    """Threads calling a map's function (0: the calling thread).
+
+    On ``"cpu"`` with the threaded scheduler, dask's ``num_workers``, as dask would run the calls: a
+    host function that releases the GIL (NumPy, SciPy) runs on every core. On a GPU the calling
+    thread: ``func`` queues its kernels and returns, and more threads only contend for the GIL (on
+    an H200, 64 chunks of 16 MiB each given a few matmuls and a wait took 69-81 ms on 16 threads,
+    36 ms in the calling thread, in one process; ``.run/maptl.py`` in the twenty-fifth session's results).
+    """
+    if not threaded or dev.is_gpu:
+        return 0
+    import dask
+    from dask.system import CPU_COUNT
+
+    return int(dask.config.get("num_workers", None) or CPU_COUNT)
+
+
+def _split(specs: list[ChunkSpec], source: Any, cache: Any) -> tuple[list[Callable[[], tuple]], list[tuple]]:
+    """The chunks ``cache`` holds or is reading (each as what gets ``(spec, its own copy)``), and the
+    rest as ``read_in_order``'s work (the engine allocates each)."""
+    if cache is None:
+        return [], [(spec, None) for spec in specs]
+    from gpulazy.integrity import check_all_unchanged
+
+    copies = cache.get_cached(specs)
+    # A cached chunk of a file changed since indexing is never used; the engine checks the files
+    # of what it reads after the reads.
+    check_all_unchanged([s for s, a in zip(specs, copies) if a is not None])
+    hits, todo = [], []
+    for spec, arr in zip(specs, copies):
+        if arr is not None:
+            hits.append(lambda s=spec, a=arr: (s, a))
+        elif cache.holds(spec):  # a prefetch of the cache is reading it: waited for, not read again
+            hits.append(lambda s=spec: (s, cache.get(s, source.read)))
+        else:
+            todo.append((spec, None))
+    return hits, todo
+
+
+class _Result:
+    """The mapped array: blocks copied into one array as they come, or kept when one does not fit."""
+
+    def __init__(self, chunks: tuple, dtype: Any, dev: Device):
+        self.edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
+        self.numblocks = tuple(len(c) for c in chunks)
+        self.out = dev.alloc(tuple(e[-1] for e in self.edges), np.dtype(dtype))
+        self.placed: set[tuple[int, ...]] = set()
+        self.kept: dict[tuple[int, ...], Any] | None = None  # every block's array once one did not fit
+        self.lock = threading.Lock()
+
+    def _region(self, index: tuple[int, ...]) -> tuple:
+        # (the Ellipsis keeps a 0-d block a view, not a scalar copy)
+        return tuple(slice(e[i], e[i + 1]) for e, i in zip(self.edges, index)) + (Ellipsis,)
+
+    def put(self, index: tuple[int, ...], block: Any) -> None:
+        view = self.out[self._region(index)]
+        fits = type(block) is type(self.out) and block.shape == view.shape and block.dtype == view.dtype
+        if fits and self.kept is None:
+            view[...] = block
+            with self.lock:
+                if self.kept is None:
+                    self.placed.add(index)
+                    return
+        with self.lock:
+            if self.kept is None:  # the blocks placed so far, as views of where they lie
+                self.kept = {i: self.out[self._region(i)] for i in self.placed}
+            self.kept[index] = block
+
+    def value(self) -> Any:
+        if self.kept is None:
+            return self.out
+        from dask.array.core import concatenate3
+
+        def nest(prefix: tuple[int, ...]) -> Any:
+            if len(prefix) == len(self.numblocks):
+                return self.kept[prefix]
+            return [nest(prefix + (i,)) for i in range(self.numblocks[len(prefix)])]
+
+        return concatenate3(nest(()))
+
+
+class _Calls:
+    """``func`` called on each chunk handed to ``map``: in this thread, or on ``workers`` threads
+    (at most two calls a thread waiting, so chunks read do not pile up behind a slow ``func``)."""
+
+    def __init__(self, func: Callable, kwargs: dict, result: _Result, workers: int, dev: Device):
+        self.func, self.kwargs, self.result, self.dev = func, kwargs, result, dev
+        self.stream = _MapStream(dev) if dev.is_gpu else None
+        self.pool = None
+        self.errors: list[BaseException] = []
+        if workers > 0:
+            self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gpulazy-map")
+            self.room = threading.BoundedSemaphore(2 * workers)
+
+    def map(self, spec: ChunkSpec, chunk: Any) -> None:
+        if self.pool is None:
+            self._call(spec, chunk)
+            return
+        if self.errors:
+            raise self.errors[0]
+        self.room.acquire()
+        if self.errors:
+            self.room.release()
+            raise self.errors[0]
+        self.pool.submit(self._pooled, spec, chunk)
+
+    def _call(self, spec: ChunkSpec, chunk: Any) -> None:
+        if self.stream is None:
+            self.result.put(spec.index, self.func(chunk, **self.kwargs))
+            return
+        with self.stream.stream:
+            self.result.put(spec.index, self.func(chunk, **self.kwargs))
+        self.stream.keep(chunk)
+
+    def _pooled(self, spec: ChunkSpec, chunk: Any) -> None:
+        try:
+            if not self.errors:
+                with self.dev.activate():
+                    self._call(spec, chunk)
+        except BaseException as e:  # raised by ``map`` or ``close`` in the calling thread
+            self.errors.append(e)
+        finally:
+            self.room.release()
+
+    def close(self, cancel: bool = False) -> None:
+        """Wait for every call (``cancel``: every call running; an error is on its way) and its device
+        work, and raise the first error one raised."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=cancel)
+        if self.stream is not None:
+            self.stream.finish()
+        if self.errors and not cancel:
+            raise self.errors[0]
+
+
+class _MapStream:
+    """The non-blocking CUDA stream ``func``'s kernels and the blocks' copies run on (a GPU only).
+
+    On CuPy's legacy stream they would wait for the copies KvikIO makes of the next chunks on
+    its blocking streams, and those for them: on an H200, a pass calling a matmul on each of
+    64 chunks of 16 MiB took as long as its read and its compute one after the other (1.9-2.1 x
+    the longer of them). Memory the map's kernels read that came from another stream's pool (a
+    chunk the engine read, a copy out of the cache) is held until the kernels queued so far are
+    done, so nothing reuses it under them; the result, from the consumer's pool, is written only
+    after the consumer's kernels queued before it. ``finish()`` waits for the stream: the result
+    is complete on every stream when the compute returns.
+    """
+
+    def __init__(self, dev: Device):
+        import cupy
+
+        from gpulazy.device import after_consumer
+
+        with dev.activate():
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.stream.wait_event(after_consumer(dev))
+        self.held: collections.deque = collections.deque()  # (event, array) in the order recorded
+        self.lock = threading.Lock()
+
+    def keep(self, arr: Any) -> None:
+        """Hold ``arr`` until the stream's work queued so far is done."""
+        import cupy
+
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
+        with self.lock:
+            self.held.append((event, arr))
+            while self.held and self.held[0][0].done:
+                self.held.popleft()
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+        self.held.clear()

@@ -1,0 +1,272 @@
+"""``vol.map_blocks(func).compute()`` as the reads land (``gpulazy.read.mapped``): the values dask
+gives, ``func`` called once a chunk on a chunk of its own, as its read lands, and dask's way for
+every map that needs more than the chunk."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.callbacks import Callback
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpulazy
+from gpulazy.cache import DeviceCache
+from gpulazy.errors import ChunkReadError
+
+from conftest import gated_preadv, to_host
+
+
+def _volume(tmp_path, shape=(12, 6, 5), dtype="<u2", chunks=(3, 6, 5), seed=0, **kw):
+    data = np.random.default_rng(seed).integers(0, 1000, shape).astype(dtype)
+    path = str(tmp_path / f"v{seed}.raw")
+    data.tofile(path)
+    vol = gpulazy.from_files(path, shape=shape, dtype=dtype, chunks=chunks, device=kw.pop("device", "cpu"), **kw)
+    return vol, data
+
+
+def _on_dask(vol, func, **kw):
+    with gpulazy.config.set(streamed_maps=False):
+        return vol.map_blocks(func, **kw)
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_a_map_streams_and_gives_daskss_values(tmp_path, scheduler):
+    vol, data = _volume(tmp_path)
+    twice = vol.map_blocks(lambda b: b * 2, dtype=vol.dtype)
+    got = twice.compute(scheduler=scheduler)
+    assert twice.compute_path == "fast" and type(got) is np.ndarray
+    np.testing.assert_array_equal(got, data * 2)
+    assert got.dtype == data.dtype and got.shape == data.shape
+    np.testing.assert_array_equal(got, _on_dask(vol, lambda b: b * 2, dtype=vol.dtype).compute(scheduler=scheduler))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(shape=st.tuples(st.integers(1, 9), st.integers(1, 7), st.integers(1, 5)), data=st.data())
+def test_any_chunking_maps_to_what_dask_gives(tmp_path_factory, shape, data):
+    chunks = tuple(data.draw(st.integers(1, n), label=f"chunk {a}") for a, n in enumerate(shape))
+    dtype = data.draw(st.sampled_from(["<u2", ">u2", "<f4", "u1", ">i8"]), label="dtype")
+    scheduler = data.draw(st.sampled_from(["sync", "threads"]), label="scheduler")
+    vol, ref = _volume(tmp_path_factory.mktemp("m"), shape=shape, dtype=dtype, chunks=chunks)
+    mapped = vol.map_blocks(lambda b: b.astype("f8") + 1, dtype="f8")
+    got = mapped.compute(scheduler=scheduler)
+    assert mapped.compute_path == "fast"
+    np.testing.assert_array_equal(got, ref.astype("f8") + 1)
+    assert got.dtype == np.dtype("f8") and got.flags.c_contiguous
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_blocks_of_another_shape_or_dtype_are_put_together_as_dask_does(tmp_path, scheduler):
+    vol, data = _volume(tmp_path)
+    dask_vol = da.from_array(data, chunks=vol.chunks)
+    cases = {"first plane of each chunk": (lambda b: b[:1], {"dtype": vol.dtype}),
+             "float64 though float32 was said": (lambda b: b / 2, {"dtype": "f4"}),
+             "a chunk-dependent shape": (lambda b: b[: 1 + int(b[0, 0, 0]) % 2], {"dtype": vol.dtype})}
+    for what, (func, kw) in cases.items():
+        mapped = vol.map_blocks(func, **kw)
+        got = mapped.compute(scheduler=scheduler)
+        want = dask_vol.map_blocks(func, **kw).compute(scheduler=scheduler)
+        assert mapped.compute_path == "fast", what
+        assert got.shape == want.shape and got.dtype == want.dtype, what
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def test_func_is_called_once_a_chunk_with_its_keywords_on_the_schedulers_threads(tmp_path):
+    vol, data = _volume(tmp_path)
+    calls, threads = [], set()
+
+    def shift(b, *, by):
+        calls.append(b.shape)
+        threads.add(threading.current_thread().name)
+        return b + by
+
+    mapped = vol.map_blocks(shift, by=3, dtype=vol.dtype)
+    calls.clear()  # (dask called it on an empty array for the map's meta)
+    threads.clear()
+    np.testing.assert_array_equal(mapped.compute(scheduler="sync"), data + 3)
+    assert calls == [(3, 6, 5)] * 4 and threads == {threading.current_thread().name}
+    calls.clear()
+    threads.clear()
+    with dask.config.set(num_workers=2):
+        np.testing.assert_array_equal(mapped.compute(), data + 3)  # dask's default for arrays: threads
+    assert calls == [(3, 6, 5)] * 4 and threads and all(t.startswith("gpulazy-map") for t in threads)
+
+
+def test_maps_that_need_more_than_the_chunk_run_on_dask(tmp_path):
+    vol, data = _volume(tmp_path)
+    other = da.from_array(data, chunks=vol.chunks)
+
+    def info(b, block_info=None):
+        return b + block_info[0]["chunk-location"][0]
+
+    def ident(b, block_id=None):
+        return b + block_id[0]
+
+    offsets = np.repeat(np.arange(4), 3)[:, None, None]
+    cases = {
+        "block_info": (vol.map_blocks(info, dtype=vol.dtype), data + offsets),
+        "block_id": (vol.map_blocks(ident, dtype=vol.dtype), data + offsets),
+        "chunks=": (vol.map_blocks(lambda b: b[:1], chunks=((1,) * 4, (6,), (5,)), dtype=vol.dtype), data[::3]),
+        "drop_axis": (vol.map_blocks(lambda b: b.sum(axis=2), drop_axis=2, dtype="u8"), data.sum(axis=2)),
+        "new_axis": (vol.map_blocks(lambda b: b[..., None], new_axis=3, dtype=vol.dtype), data[..., None]),
+        "a second array": (vol.map_blocks(np.add, other, dtype=vol.dtype), data * 2),
+        "a dask keyword": (vol.map_blocks(lambda b, k: b + k, k=dask.delayed(1), dtype=vol.dtype), data + 1),
+        "config streamed_maps=False": (_on_dask(vol, lambda b: b + 1, dtype=vol.dtype), data + 1),
+    }
+    for what, (mapped, want) in cases.items():
+        assert getattr(mapped, "_gl_map_of", None) is None, what
+        np.testing.assert_array_equal(mapped.compute(scheduler="sync"), want, err_msg=what)
+
+
+def test_a_map_computed_with_callbacks_or_options_or_changed_runs_on_dask(tmp_path):
+    vol, data = _volume(tmp_path)
+    mapped = vol.map_blocks(lambda b: b + 1, dtype=vol.dtype)
+    ran = []
+    with Callback(pretask=lambda key, dsk, state: ran.append(key)):  # a progress bar, say
+        np.testing.assert_array_equal(mapped.compute(), data + 1)
+    assert mapped.compute_path == "dask" and len(ran) >= 8  # a read and a map task a chunk
+    np.testing.assert_array_equal(mapped.compute(optimize_graph=False), data + 1)
+    assert mapped.compute_path == "dask"
+    with gpulazy.prefetch(depth=2):  # the prefetcher is gpulazy's own: the streamed map reads ahead itself
+        np.testing.assert_array_equal(mapped.compute(), data + 1)
+    assert mapped.compute_path == "fast"
+    mapped[0, 0, 0] = 7  # changed in place: no longer the map of the files
+    want = data + 1
+    want[0, 0, 0] = 7
+    np.testing.assert_array_equal(mapped.compute(), want)
+    assert mapped.compute_path == "dask"
+    # what follows a map (a reduction of it) is dask's
+    np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 1, dtype=vol.dtype).sum().compute(),
+                                  (data.astype("u8") + 1).sum())
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_through_a_cache_func_gets_copies_and_a_second_map_reads_nothing(tmp_path, scheduler):
+    cache = DeviceCache("1 MiB", device="cpu")
+    try:
+        vol, data = _volume(tmp_path, cache=cache)
+
+        def bump(b):
+            b += 1  # into its input: must not reach the cache
+            return b
+
+        for turn in ("miss", "hit"):
+            read_before = gpulazy.stats().snapshot()["bytes_read"]
+            got = vol.map_blocks(bump, dtype=vol.dtype).compute(scheduler=scheduler)
+            np.testing.assert_array_equal(got, data + 1, err_msg=turn)
+        assert gpulazy.stats().snapshot()["bytes_read"] == read_before  # the second map read nothing
+        s = cache.stats()
+        assert s["hits"] == 4 and s["misses"] == 4 and cache.bytes_held == data.nbytes, s
+        np.testing.assert_array_equal(vol.compute(), data)  # the cache still holds the file's values
+    finally:
+        cache.close()
+
+
+def test_a_map_over_more_than_its_cache_holds_caches_nothing(tmp_path):
+    cache = DeviceCache(2 * 3 * 6 * 5 * 2, device="cpu")  # two of the four chunks
+    try:
+        vol, data = _volume(tmp_path, cache=cache)
+        np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 1, dtype=vol.dtype).compute(), data + 1)
+        assert len(cache) == 0 and cache.stats()["misses"] == 0, cache.stats()
+        vol[:6].compute(scheduler="sync")  # (a fast-path read inserts nothing either)
+        np.testing.assert_array_equal(vol[:6].map_blocks(lambda b: b - 1, dtype=vol.dtype).compute(), data[:6] - 1)
+        assert len(cache) == 2  # a map that fits is kept
+        np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 2, dtype=vol.dtype).compute(), data + 2)
+        assert cache.stats()["hits"] == 2
+    finally:
+        cache.close()
+
+
+def test_func_runs_on_a_chunk_as_its_own_read_lands(tmp_path, monkeypatch):
+    """The first chunk is mapped while a later chunk's read is still held: ``func`` opens the gate
+    the last file's read waits at (a map that waited for every read of the submission would
+    only go on once that read timed out)."""
+    data = np.arange(4 * 8 * 8, dtype="<u2").reshape(4, 8, 8)
+    paths = []
+    for i in range(4):
+        paths.append(str(tmp_path / f"p{i}.raw"))
+        data[i].tofile(paths[-1])
+    vol = gpulazy.from_files(paths, shape=(8, 8), dtype="<u2", device="cpu", chunks=(1, 8, 8))
+    assert vol.numblocks[0] == 4
+    gate = threading.Event()
+    entered = gated_preadv(monkeypatch, gate, os.path.realpath(paths[-1]), timeout=10)
+    seen = []
+
+    def first_opens(b):
+        seen.append(int(b[0, 0, 0]))
+        gate.set()
+        return b
+
+    np.testing.assert_array_equal(vol.map_blocks(first_opens, dtype=vol.dtype).compute(scheduler="sync"), data)
+    assert entered.is_set() and entered.timed_out == [] and seen == [0, 64, 128, 192]
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_an_error_in_func_is_raised_once_every_read_has_settled(tmp_path, scheduler):
+    vol, _ = _volume(tmp_path, shape=(40, 6, 5), chunks=(2, 6, 5))
+    called = []
+
+    def fails_on_third(b):
+        called.append(1)
+        if len(called) == 3:
+            raise ZeroDivisionError("no good")
+        return b
+
+    with pytest.raises(ZeroDivisionError, match="no good"):
+        vol.map_blocks(fails_on_third, dtype=vol.dtype).compute(scheduler=scheduler)
+    assert len(called) < 20  # the calls stop at the error
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_a_truncated_file_raises_with_its_path(tmp_path, scheduler):
+    vol, _ = _volume(tmp_path)
+    path = vol.chunk_index.paths[0]
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ChunkReadError) as info:
+        vol.map_blocks(lambda b: b, dtype=vol.dtype).compute(scheduler=scheduler)
+    assert path in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_a_map_on_a_gpu_gives_cupy_values_as_dask_does(tmp_path, scheduler):
+    import cupy as cp
+
+    vol, data = _volume(tmp_path, shape=(16, 64, 64), chunks=(4, 64, 64), device="cuda:0")
+    where = set()
+
+    def root(b):
+        # (in the calling thread, on a non-blocking stream of the map's own: not CuPy's legacy one)
+        where.add((threading.current_thread().name, cp.cuda.get_current_stream().ptr))
+        return cp.sqrt(b.astype("f4"))
+
+    mapped = vol.map_blocks(root, dtype="f4")
+    where.clear()
+    got = mapped.compute(scheduler=scheduler)
+    assert mapped.compute_path == "fast" and isinstance(got, cp.ndarray)
+    assert len(where) == 1 and next(iter(where))[0] == threading.current_thread().name
+    assert next(iter(where))[1] not in (0, cp.cuda.get_current_stream().ptr)
+    np.testing.assert_allclose(to_host(got), np.sqrt(data.astype("f4")), rtol=1e-6)
+    shrunk = vol.map_blocks(lambda b: b[:1].copy(), dtype=vol.dtype).compute(scheduler=scheduler)
+    np.testing.assert_array_equal(to_host(shrunk), data[::4])
+    cache = DeviceCache("64 MiB", device="cuda:0")
+    try:
+        cached, _ = _volume(tmp_path, shape=(16, 64, 64), chunks=(4, 64, 64), device="cuda:0", cache=cache, seed=1)
+        want = to_host(cached.compute())
+
+        def bump(b):
+            b += 1
+            return b
+
+        for _ in range(2):
+            np.testing.assert_array_equal(to_host(cached.map_blocks(bump, dtype=cached.dtype).compute(
+                scheduler=scheduler)), want + 1)
+        assert cache.stats()["hits"] == 4
+    finally:
+        cache.close()

@@ -22,8 +22,9 @@ of ``--repeat``:
 | hdf5-bitshuffle | HDF5 chunked, bitshuffle + LZ4 (filter 32008, Dectris detectors) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
 | hdf5-blosc | HDF5 chunked, Blosc LZ4 level 5 + byte shuffle (filter 32001) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
 
-Derived rows (``--ops``, or ``--derived`` for all five): ``max(axis=0)`` (MIP), the slice
-``[1:half+1]`` off chunk boundaries, ``astype("f8").sum()`` and ``mean()``, each as GB/s of
+Derived rows (``--ops``, or ``--derived`` for all six): ``max(axis=0)`` (MIP), the slice
+``[1:half+1]`` off chunk boundaries, ``astype("f8").sum()``, ``mean()`` and ``map_blocks(b * 2)``
+(each chunk mapped as its read lands), each as GB/s of
 source bytes, as a ratio to the same format's whole ``compute()`` in the same run (issue 20:
 ≥ 0.9 for raw, tiff, zarr-3d and zarr-zstd-3d) and beside "raw KvikIO + the same op" (the
 raw file read whole with KvikIO into one buffer, then the same CuPy operation); and one plane
@@ -406,7 +407,14 @@ OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
     # One plane where a chunk begins (a viewer's plane): a compressed chunk decodes its first planes
     # alone (``ChunkSpec.head``) or whole. Not held to the whole read's rate: it is a latency.
     "plane": ("[half:half+1]", lambda a, g: a[g.half:g.half + 1]),
+    # Each chunk mapped as its read lands (``gpulazy.read.mapped``); the raw reference maps its one buffer.
+    "map": ("map_blocks(b * 2)", lambda a, g: a.map_blocks(_twice, dtype=a.dtype) if hasattr(a, "map_blocks")
+            else _twice(a)),
 }
+
+
+def _twice(block: Any) -> Any:
+    return block * 2
 #: The operations issue 20 holds to ``TARGET_VS_WHOLE``.
 TARGET_OPS = ("mip", "slice", "astype_sum", "mean")
 
@@ -416,16 +424,17 @@ def op_bytes(op: str, g: Geometry) -> int:
     return {"slice": g.half * g.plane, "plane": g.plane}.get(op, g.nbytes)
 
 
-def _planes_equal(out: Any, first: int, g: Geometry) -> bool:
-    """Every plane of ``out`` equals generated plane ``first + i``, compared where ``out`` lives
-    (the distinct planes go to the device once: comparing there costs no host copy of the result)."""
+def _planes_equal(out: Any, first: int, g: Geometry, times: int = 1) -> bool:
+    """Every plane of ``out`` equals generated plane ``first + i`` (times ``times``, in its dtype), compared
+    where ``out`` lives (the distinct planes go to the device once: comparing there costs no host copy
+    of the result)."""
     on_gpu = type(out).__module__.startswith("cupy")
     if on_gpu:
         import cupy
 
-        want = [cupy.asarray(plane(z, g.side)) for z in range(_DISTINCT)]
+        want = [cupy.asarray(plane(z, g.side) * np.uint16(times)) for z in range(_DISTINCT)]
     else:
-        want = list(_planes(g.side))
+        want = [p * np.uint16(times) for p in _planes(g.side)]
     return all(bool((out[i] == want[(first + i) % _DISTINCT]).all()) for i in range(len(out)))
 
 
@@ -443,6 +452,8 @@ def check_op(op: str, out: Any, g: Geometry) -> bool:
         return tuple(out.shape) == (g.half, g.side, g.side) and _planes_equal(out, 1, g)
     if op == "plane":
         return tuple(out.shape) == (1, g.side, g.side) and _planes_equal(out, g.half, g)
+    if op == "map":
+        return tuple(out.shape) == (g.n, g.side, g.side) and _planes_equal(out, 0, g, times=2)
     sums = [int(plane(z, g.side).sum(dtype=np.int64)) for z in range(_DISTINCT)]
     exact = sum(sums[z % _DISTINCT] for z in range(g.n))
     value = float(_host(out))

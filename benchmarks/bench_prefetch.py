@@ -11,6 +11,17 @@ turn, ``--repeat`` rounds):
 - read + compute without prefetch (about read + compute when the loop is sequential),
 - read + compute with ``gpulazy.prefetch(depth)`` (about max(read, compute) when it works).
 
+Those four run on dask's scheduler (config ``streamed_maps=False``): a task a chunk, read ahead
+by the prefetcher. Three more passes time what ``vol.map_blocks(f).compute()`` does by default,
+which calls ``f`` on each chunk as its read lands (``gpulazy.read.mapped``) without a dask task:
+
+- streamed read + compute (``vol.map_blocks(busy).compute()``),
+- streamed read only (``vol.map_blocks(corner).compute()``),
+- the compute alone as a plain loop over the blocks in memory (no dask).
+
+``ratio_streamed`` is the median of each round's streamed pass over max(the faster read alone,
+the faster compute alone): the denominator is the least either could take, by either way.
+
 The ratio reported is the median over the rounds of each round's prefetch / max(read, compute):
 passes timed side by side, since a shared host drifts by a fifth between seconds (the best pass
 of each kind over the rounds, the figure before 2026-11-25, is ``ratio_best``).
@@ -180,7 +191,7 @@ def run(*, device: str | None = None, chunks: int = 32, chunk_mib: float = 1.0, 
     --------
     >>> r = run(device="cpu", chunks=4, chunk_mib=0.0625, depth=2, repeat=1)
     >>> sorted(k for k in r if k.startswith("seconds_"))
-    ['seconds_compute', 'seconds_naive', 'seconds_prefetch', 'seconds_read']
+    ['seconds_compute', 'seconds_compute_loop', 'seconds_naive', 'seconds_prefetch', 'seconds_read', 'seconds_read_streamed', 'seconds_streamed']
     """
     import gpulazy
     from gpulazy.cache import DeviceCache
@@ -246,9 +257,13 @@ def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, dept
         cache.clear()
         cache.reset_stats()
 
+    def on_dask(make: Callable[[], Any]) -> Any:
+        with gpulazy.config.set(streamed_maps=False):  # a task a chunk, as read-ahead works on it
+            return make()
+
     def read_only():
         fresh()
-        return vol.map_blocks(_corner, dtype=vol.dtype).compute(scheduler=scheduler)
+        return on_dask(lambda: vol.map_blocks(_corner, dtype=vol.dtype)).compute(scheduler=scheduler)
 
     read_only()  # warm-up: backend threads, allocator pools
     t_read, _ = _timed(read_only, repeat)
@@ -256,7 +271,8 @@ def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, dept
     block = vol[:rows].compute(scheduler="sync")
     # Compute only: the same tasks over the same bytes already in device memory (no reads),
     # so both passes pay the same scheduling overheads.
-    mem = da.from_array(xp.concatenate([block] * chunks), chunks=(rows, cols), asarray=False)
+    whole = xp.concatenate([block] * chunks)
+    mem = da.from_array(whole, chunks=(rows, cols), asarray=False)
 
     busy, iters, sleep_s, t_compute = calibrate(xp, block, mem, t_read, compute, scheduler, repeat)
 
@@ -267,27 +283,31 @@ def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, dept
         fresh()
         with PeakSampler(cache) as sampler, p:
             t0 = time.perf_counter()
-            vol.map_blocks(busy, dtype=vol.dtype).compute(scheduler=scheduler)
+            on_dask(lambda: vol.map_blocks(busy, dtype=vol.dtype)).compute(scheduler=scheduler)
             t = time.perf_counter() - t0
         if t < best["t"]:
             best.update(t=t, stats=cache.stats(), peak=sampler.peak, summary=dict(p.last_summary or {}))
         return t
 
-    def clocked(graph: Any) -> Callable[[], float]:
-        # The compute alone, as ``with_prefetch`` times it: emptying the cache (and, there, the
-        # peak sampler's thread) stays outside every pass's time.
+    def clocked(fn: Callable[[], Any]) -> Callable[[], float]:
+        # A pass, as ``with_prefetch`` times it: emptying the cache (and, there, the peak
+        # sampler's thread) stays outside every pass's time.
         def run() -> float:
             fresh()
             t0 = time.perf_counter()
-            graph.compute(scheduler=scheduler)
+            fn()
             return time.perf_counter() - t0
         return run
 
+    def on(graph: Any) -> Callable[[], Any]:
+        return lambda: graph.compute(scheduler=scheduler)
+
     # Rounds of the four passes in turn: a shared host drifts by a fifth between seconds, so each
     # round's ratio compares passes timed side by side, and the median of the rounds is the figure.
-    passes = {"read": clocked(vol.map_blocks(_corner, dtype=vol.dtype)),
-              "compute": clocked(mem.map_blocks(busy, dtype=vol.dtype)),
-              "naive": clocked(vol.map_blocks(busy, dtype=vol.dtype)), "prefetch": with_prefetch}
+    passes = {"read": clocked(on(on_dask(lambda: vol.map_blocks(_corner, dtype=vol.dtype)))),
+              "compute": clocked(on(mem.map_blocks(busy, dtype=vol.dtype))),
+              "naive": clocked(on(on_dask(lambda: vol.map_blocks(busy, dtype=vol.dtype)))), "prefetch": with_prefetch,
+              **{name: clocked(fn) for name, fn in streamed_passes(vol, busy, whole, rows, scheduler).items()}}
     rounds = [{name: fn() for name, fn in passes.items()} for _ in range(repeat)]
     t_read, t_compute, t_naive = (min(r[k] for r in rounds) for k in ("read", "compute", "naive"))
     stats, t_pf = best["stats"], best["t"]
@@ -313,6 +333,10 @@ def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, dept
         "ratio": ratio,
         "ratio_naive": ratio_naive,
         "ratio_best": t_pf / bound,
+        "seconds_streamed": min(r["streamed"] for r in rounds),
+        "seconds_read_streamed": min(r["read streamed"] for r in rounds),
+        "seconds_compute_loop": min(r["compute loop"] for r in rounds),
+        "ratio_streamed": statistics.median(streamed_ratio(r) for r in rounds),
         "rounds": rounds,
         "target_ratio": TARGET_RATIO,
         "meets_target": ratio <= TARGET_RATIO,
@@ -326,6 +350,33 @@ def _measure(gpulazy, vol, cache, xp, dev, chunks, rows, cols, chunk_bytes, dept
         "lookahead_budget": best["summary"].get("budget"),
         "lookahead_peak_bytes": best["summary"].get("peak_outstanding_bytes"),
     }
+
+
+def streamed_passes(vol: Any, busy: Callable, whole: Any, rows: int, scheduler: str) -> dict[str, Callable[[], Any]]:
+    """The passes ``vol.map_blocks(f).compute()`` runs by default (``gpulazy.read.mapped``: ``f`` on
+    each chunk as its read lands), and the compute alone as a plain loop over ``whole``'s blocks."""
+    streamed = vol.map_blocks(busy, dtype=vol.dtype)
+    streamed_read = vol.map_blocks(_corner, dtype=vol.dtype)
+    blocks = [whole[i:i + rows] for i in range(0, whole.shape[0], rows)]
+
+    def streamed_pass(graph: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            out = graph.compute(scheduler=scheduler)
+            if graph.compute_path != "fast":
+                raise RuntimeError("the streamed map did not run: is config streamed_maps off?")
+            return out
+        return run
+
+    def loop() -> None:
+        for b in blocks:
+            busy(b)
+
+    return {"streamed": streamed_pass(streamed), "read streamed": streamed_pass(streamed_read), "compute loop": loop}
+
+
+def streamed_ratio(r: dict[str, float]) -> float:
+    """A round's streamed pass over max(the faster read alone, the faster compute alone)."""
+    return r["streamed"] / max(min(r["read"], r["read streamed"]), min(r["compute"], r["compute loop"]))
 
 
 # --------------------------------------------------------------------------- output
@@ -346,6 +397,11 @@ def table(r: dict[str, Any]) -> str:
         f"ratio prefetch / max(read, compute), median of {len(r['rounds'])} rounds: {r['ratio']:.3f} "
         f"({verdict} target <= {r['target_ratio']}); without prefetch: {r['ratio_naive']:.3f}; "
         f"best pass over best passes {r['ratio_best']:.3f}; speedup {r['speedup']:.2f}x",
+        f"{'streamed read + compute (the default)':<36}{r['seconds_streamed']:>10.4f}",
+        f"{'streamed read only':<36}{r['seconds_read_streamed']:>10.4f}",
+        f"{'compute only, a plain loop':<36}{r['seconds_compute_loop']:>10.4f}",
+        f"ratio streamed / max(faster read, faster compute), median: {r['ratio_streamed']:.3f} "
+        f"({'meets' if r['ratio_streamed'] <= r['target_ratio'] else 'MISSES'} target <= {r['target_ratio']})",
         f"hit rate (gets served by prefetched chunks): {r['hit_rate']:.1%} "
         f"({r['prefetched']} prefetched, {r['misses']} misses)",
         f"cache peak {r['cache_peak_bytes'] / mib:.1f} MiB of {r['cache_capacity'] / mib:.1f} MiB "

@@ -52,6 +52,8 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float | None 
     from gpulazy.cache import DeviceCache
     from gpulazy.device import get_device, gpu_count
 
+    gpulazy.config.set(streamed_maps=False)  # these passes time dask's task a chunk (gpulazy.read.mapped)
+
     sys.path.insert(0, HERE)
     import bench_prefetch as bp
     import prefetch_floor as pfl

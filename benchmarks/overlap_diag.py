@@ -55,6 +55,8 @@ def main() -> int:
     sys.path.insert(0, HERE)
     import bench_prefetch
 
+    gpulazy.config.set(streamed_maps=False)  # dask's task a chunk, as read-ahead works on it
+
     prof = os.path.join(args.out, "profiles.txt")
     tmp = tempfile.mkdtemp()
     rows, cols = 8192, 1024

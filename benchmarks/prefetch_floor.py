@@ -15,6 +15,11 @@ max(read alone, compute alone), for two read-aheads in the same rounds:
   read and its copy. No cache, no chunk specs, no check of the file, no error reporting beyond
   raising. (On the CPU: a thread pool's ``preadv`` into host slots, and a NumPy copy.)
 
+Both run on dask's scheduler (config ``streamed_maps=False``). Beside them, ``bench_prefetch``'s
+streamed passes: ``vol.map_blocks(f).compute()`` as it runs by default (``f`` on each chunk as its
+read lands, no dask task), its read alone, and the compute alone as a plain loop; ``ratio_streamed``
+is the streamed pass over max(the faster read alone, the faster compute alone).
+
 What is left when everything but reading, copying and waiting is taken out: where the floor
 misses the target too, no leaner gpulazy would meet it with that read-ahead on that host, and
 the gap between the two rows, measured in the same rounds (so a host's drift cancels), is what
@@ -210,19 +215,24 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0,
                 return bp.time_pass(cache, dev, fn)
             return one
 
-        read = timed(lambda: vol.map_blocks(bp._corner, dtype=vol.dtype).compute(scheduler=sched))
+        def on_dask(func: Any) -> Any:
+            with gpulazy.config.set(streamed_maps=False):  # a task a chunk, as read-ahead works on it
+                return vol.map_blocks(func, dtype=vol.dtype)
+
+        read = timed(lambda: on_dask(bp._corner).compute(scheduler=sched))
         for _ in range(2):
             read()
         t_read = min(read() for _ in range(repeat))
         block = vol[:rows].compute(scheduler="sync")
-        mem = da.from_array(xp.concatenate([block] * chunks), chunks=(rows, cols), asarray=False)
+        whole = xp.concatenate([block] * chunks)
+        mem = da.from_array(whole, chunks=(rows, cols), asarray=False)
         busy, iters, _, _ = bp.calibrate(xp, block, mem, t_read, compute, sched, repeat)
         p = gpulazy.prefetch(depth=depth)
         cb = floor_callback(reader)
 
         def prefetched() -> None:
             with p:
-                vol.map_blocks(busy, dtype=vol.dtype).compute(scheduler=sched)
+                on_dask(busy).compute(scheduler=sched)
 
         def floored() -> None:
             with cb:
@@ -236,7 +246,8 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0,
             mem.map_blocks(busy, dtype=mem.dtype).compute(scheduler=sched)
 
         passes = {"read": read, "compute": timed(compute_alone), "prefetch": timed(prefetched), "floor": timed(floored),
-                  "floor read": timed(floor_read)}
+                  "floor read": timed(floor_read),
+                  **{name: timed(fn) for name, fn in bp.streamed_passes(vol, busy, whole, rows, sched).items()}}
         if old is not None:
             passes["prefetch old"] = timed(_old_pass(old, path, chunks, rows, cols, depth, dev, busy, sched, caches))
         for fn in passes.values():
@@ -258,6 +269,7 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0,
             **{f"ratio_{name.replace(' ', '_')}": statistics.median(r[name] / max(r["read"], r["compute"])
                                                                     for r in rounds)
                for name in ("prefetch", "floor", "prefetch old") if name in passes},
+            "ratio_streamed": statistics.median(bp.streamed_ratio(r) for r in rounds),
             **({"old": old, "new_over_old": statistics.median(r["prefetch"] / r["prefetch old"] for r in rounds)}
                if old is not None else {}),
             "target_ratio": bp.TARGET_RATIO}
@@ -297,13 +309,16 @@ def table(r: dict[str, Any]) -> str:
     lines = [f"{r['device']}, {r['scheduler']}, {r['chunks']} x {r['chunk_bytes'] / (1 << 20):g} MiB, depth "
              f"{r['depth']}, {r['compute']} x {r['compute_iters']} a chunk, {len(r['rounds'])} rounds, the floor's "
              f"copies {r['copy']}"]
-    for name in ("read", "compute", "prefetch", "floor", "floor read", "prefetch old"):
+    for name in ("read", "compute", "prefetch", "floor", "floor read", "prefetch old", "streamed", "read streamed",
+                 "compute loop"):
         if "seconds_" + name.replace(" ", "_") in r:
             lines.append(f"  {name:<12} median {r['seconds_' + name.replace(' ', '_')] * 1e3:7.1f} ms")
     for name in ("prefetch", "floor", "prefetch old"):
         if "ratio_" + name.replace(" ", "_") in r:
             lines.append(f"ratio {name:<12} / max(read, compute): {r['ratio_' + name.replace(' ', '_')]:.3f} "
                          f"(target <= {r['target_ratio']})")
+    lines.append(f"ratio streamed     / max(faster read, faster compute): {r['ratio_streamed']:.3f} (the default "
+                 f"vol.map_blocks(f).compute(); faster of read and read streamed, of compute and compute loop)")
     if "new_over_old" in r:
         lines.append(f"this tree's prefetched pass / {r['old']}'s, median of the rounds: {r['new_over_old']:.3f}")
     return "\n".join(lines)

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpulazy.cache import DeviceCache
     from gpulazy.io import _kvikio
 
+    gpulazy.config.set(streamed_maps=False)  # these passes time dask's task a chunk (gpulazy.read.mapped)
+
     sys.path.insert(0, HERE)
     import bench_prefetch as bp
 

@@ -13,6 +13,8 @@ import gpulazy
 from gpulazy.cache import DeviceCache
 import bench_prefetch as bp
 
+gpulazy.config.set(streamed_maps=False)  # dask's task a chunk, as read-ahead works on it
+
 chunks, rows, cols = 64, 4096, 1024
 sched = sys.argv[1] if len(sys.argv) > 1 else "sync"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 25

@@ -13,7 +13,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overlap.py"
 sys.path.insert(0, str(BENCH.parent))  # the benchmarks import as modules, as test_bench_cache does
-DERIVED = ["MIP max(axis=0)", "[1:half+1] compute()", "astype(f8).sum()", "mean()"]
+DERIVED = ["MIP max(axis=0)", "[1:half+1] compute()", "astype(f8).sum()", "mean()", "map_blocks(b * 2)"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,8 @@ def test_rows_ratios_and_read_ahead_sweep(bench, tmp_path, capsys):
             assert swept["correct"] is True
             assert swept["x_whole"] == pytest.approx(swept["gpulazy"] / base["gpulazy"])
             assert swept["x_raw"] == pytest.approx(swept["gpulazy"] / rows[name]["raw"])
+    dask_map = rows["map_blocks(b * 2), streamed_maps=False (dask's tasks)"]
+    assert dask_map["x_whole"] == pytest.approx(dask_map["gpulazy"] / whole["planes compute()"]["gpulazy"])
     cached = rows["MIP again from DeviceCache"]
     assert cached["x_reread"] > 0
     assert cached["x_raw"] == pytest.approx(cached["gpulazy"] / rows["MIP max(axis=0)"]["raw"])
@@ -62,3 +64,12 @@ def test_read_ahead_values_are_checked_first(bench, capsys):
         bench.main(["--device", "cpu", "--read-ahead", "1GiB,lots"])
     assert e.value.code == 2
     assert "--read-ahead: cannot read 'lots' as a byte count" in capsys.readouterr().err
+
+
+def test_the_overlap_table_shows_the_streamed_map_beside_prefetch(bench):
+    paths = {"device": "cpu", "planes": 2, "plane_bytes": 1 << 20, "total_bytes": 2 << 20, "rows": {}}
+    cell = {"seconds_read": 0.04, "seconds_compute": 0.05, "ratio_naive": 1.9, "ratio": 1.3, "hit_rate": 1.0,
+            "ratio_streamed": 1.07}
+    text = bench.table({"repeat": 1, "paths": paths, "overlap": {"matmul/sync": cell}})
+    header, row = text.splitlines()[-2:]
+    assert "streamed x" in header and row.split()[-1] == "1.07" and row.split()[-3] == "1.30"

@@ -30,7 +30,11 @@ def test_run_reports_consistent_figures(bench, compute):
         assert r[key] > 0
     assert r["ratio_best"] == pytest.approx(r["seconds_prefetch"] / max(r["seconds_read"], r["seconds_compute"]))
     rounds = r["rounds"]
-    assert len(rounds) == 3 and all(set(x) == {"read", "compute", "naive", "prefetch"} for x in rounds)
+    assert len(rounds) == 3 and all(set(x) == {"read", "compute", "naive", "prefetch", "streamed", "read streamed",
+                                               "compute loop"} for x in rounds)
+    assert r["ratio_streamed"] == pytest.approx(sorted(
+        x["streamed"] / max(min(x["read"], x["read streamed"]), min(x["compute"], x["compute loop"]))
+        for x in rounds)[1])
     assert r["ratio"] == pytest.approx(sorted(x["prefetch"] / max(x["read"], x["compute"]) for x in rounds)[1])
     assert r["seconds_read"] == min(x["read"] for x in rounds)
     assert r["meets_target"] == (r["ratio"] <= 1.15)
@@ -40,7 +44,7 @@ def test_run_reports_consistent_figures(bench, compute):
     assert r["lookahead_peak_bytes"] <= r["lookahead_budget"] <= r["cache_capacity"] // 2
     assert r["lookahead_peak_bytes"] <= 3 * r["chunk_bytes"]
     text = bench.table(r)
-    assert "read + compute, prefetch" in text and "hit rate" in text
+    assert "read + compute, prefetch" in text and "hit rate" in text and "ratio streamed" in text
 
 
 def test_main_writes_json(bench, tmp_path, capsys):

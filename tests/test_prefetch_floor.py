@@ -56,14 +56,18 @@ def test_reader_raises_on_a_short_read(tmp_path):
 def test_run_on_cpu_reports_both_ratios(capsys):
     r = floor.run(device="cpu", chunks=6, chunk_mib=0.0625, depth=2, compute="xp", repeat=2)
     assert r["floor_bytes_equal"] and len(r["rounds"]) == 2
-    assert set(r["rounds"][0]) == {"read", "compute", "prefetch", "floor", "floor read"}
+    assert set(r["rounds"][0]) == {"read", "compute", "prefetch", "floor", "floor read", "streamed", "read streamed",
+                                   "compute loop"}
     for name in ("prefetch", "floor"):
         expect = sorted(x[name] / max(x["read"], x["compute"]) for x in r["rounds"])
         assert r["ratio_" + name] == pytest.approx(sum(expect) / 2)
+    expect = sorted(x["streamed"] / max(min(x["read"], x["read streamed"]), min(x["compute"], x["compute loop"]))
+                    for x in r["rounds"])
+    assert r["ratio_streamed"] == pytest.approx(sum(expect) / 2)
     assert floor.main(["--device", "cpu", "--chunks", "4", "--chunk-mib", "0.0625", "--depth", "2", "--compute", "xp",
                        "--repeat", "1"]) == 0
     out = capsys.readouterr().out
-    assert "ratio floor" in out and "ratio prefetch" in out
+    assert "ratio floor" in out and "ratio prefetch" in out and "ratio streamed" in out
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -220,6 +220,19 @@ def test_an_error_in_func_is_raised_once_every_read_has_settled(tmp_path, schedu
     with pytest.raises(ZeroDivisionError, match="no good"):
         vol.map_blocks(fails_on_third, dtype=vol.dtype).compute(scheduler=scheduler)
     assert len(called) < 20  # the calls stop at the error
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpulazy-map")]  # the reads ended
+
+
+def test_an_interrupt_in_func_ends_the_reads_before_it_propagates(tmp_path):
+    vol, data = _volume(tmp_path, shape=(40, 6, 5), chunks=(2, 6, 5))
+
+    def interrupted(b):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        vol.map_blocks(interrupted, dtype=vol.dtype).compute(scheduler="sync")
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpulazy-map")]
+    np.testing.assert_array_equal(vol.map_blocks(lambda b: b, dtype=vol.dtype).compute(), data)  # still usable
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])

@@ -167,6 +167,39 @@ def test_through_a_cache_func_gets_copies_and_a_second_map_reads_nothing(tmp_pat
         cache.close()
 
 
+def test_cached_chunks_are_copied_out_a_group_at_a_time_and_one_evicted_meanwhile_is_read(tmp_path, monkeypatch):
+    """A map over cached data copies the chunks out ``whole.GROUP`` bytes at a time, not all at once
+    (which held a second copy of them beside the result); a chunk evicted before its group's turn
+    is read again."""
+    from gpulazy.read import whole
+
+    cache = DeviceCache("1 MiB", device="cpu")
+    try:
+        vol, data = _volume(tmp_path, cache=cache)
+        vol.map_blocks(lambda b: b, dtype=vol.dtype).compute()  # every chunk cached
+        assert len(cache) == 4
+        monkeypatch.setattr(whole, "GROUP", 2 * 3 * 6 * 5 * 2)  # two chunks a group
+        asked = []
+        real = DeviceCache.get_cached
+
+        def get_cached(self, specs):
+            specs = list(specs)
+            asked.append([s.index[0] for s in specs])
+            copies = real(self, specs)
+            if len(asked) == 1:
+                self.clear()  # the second group's chunks are gone before its turn
+            return copies
+
+        monkeypatch.setattr(DeviceCache, "get_cached", get_cached)
+        read_before = gpulazy.stats().snapshot()["bytes_read"]
+        got = vol.map_blocks(lambda b: b + 1, dtype=vol.dtype).compute(scheduler="sync")
+        np.testing.assert_array_equal(got, data + 1)
+        assert asked == [[0, 1], [2, 3]]
+        assert gpulazy.stats().snapshot()["bytes_read"] - read_before == data[6:].nbytes  # the two evicted
+    finally:
+        cache.close()
+
+
 def test_a_map_over_more_than_its_cache_holds_caches_nothing(tmp_path):
     cache = DeviceCache(2 * 3 * 6 * 5 * 2, device="cpu")  # two of the four chunks
     try:

@@ -32,12 +32,12 @@ import collections
 import concurrent.futures
 import itertools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from gpulazy.device import Device, get_device
-from gpulazy.read.whole import STAGED, held_bytes, inflight_room, read_in_order
+from gpulazy.read.whole import STAGED, groups_by_bytes, held_bytes, inflight_room, read_in_order
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["run_map"]
@@ -61,12 +61,14 @@ def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dic
         result = _Result(chunks, dtype, dev)
         calls = _Calls(func, kwargs, result, workers(dev, threaded), dev)
         try:
-            hits, todo = _split(list(specs.values()), source, cache)
+            cached, todo = _split(list(specs.values()), cache)
+            hits = [_hits(cached, source, cache)] if cached else []
             offer = cache is not None and cache.keeps(sum(s.out_nbytes for s in specs.values()))
 
             def landed(spec: ChunkSpec, arr: Any) -> None:
                 while hits:  # mapped once the first reads are in flight
-                    calls.map(*hits.pop(0)())
+                    for hit in hits.pop():
+                        calls.map(*hit)
                 if offer:
                     arr = cache.get(spec, lambda s, a=arr: a)  # kept; ``func`` gets a copy
                 calls.map(spec, arr)
@@ -78,7 +80,8 @@ def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dic
                 read_in_order(todo, backend, source.verify, landed, max(STAGED, inflight_room(dev), 2 * largest),
                               each=True)
             while hits:  # (nothing was read)
-                calls.map(*hits.pop(0)())
+                for hit in hits.pop():
+                    calls.map(*hit)
         except BaseException:
             calls.close(cancel=True)
             raise
@@ -103,26 +106,34 @@ def workers(dev: Device, threaded: bool) -> int:
     return int(dask.config.get("num_workers", None) or CPU_COUNT)
 
 
-def _split(specs: list[ChunkSpec], source: Any, cache: Any) -> tuple[list[Callable[[], tuple]], list[tuple]]:
-    """The chunks ``cache`` holds or is reading (each as what gets ``(spec, its own copy)``), and the
-    rest as ``read_in_order``'s work (the engine allocates each)."""
+def _split(specs: list[ChunkSpec], cache: Any) -> tuple[list[ChunkSpec], list[tuple[ChunkSpec, None]]]:
+    """The chunks ``cache`` holds or is reading, and the rest as ``read_in_order``'s work (the engine
+    allocates each)."""
     if cache is None:
         return [], [(spec, None) for spec in specs]
-    from gpulazy.integrity import check_all_unchanged
-
-    copies = cache.get_cached(specs)
-    # A cached chunk of a file changed since indexing is never used; the engine checks the files
-    # of what it reads after the reads.
-    check_all_unchanged([s for s, a in zip(specs, copies) if a is not None])
-    hits, todo = [], []
-    for spec, arr in zip(specs, copies):
-        if arr is not None:
-            hits.append(lambda s=spec, a=arr: (s, a))
-        elif cache.holds(spec):  # a prefetch of the cache is reading it: waited for, not read again
-            hits.append(lambda s=spec: (s, cache.get(s, source.read)))
+    cached, todo = [], []
+    for spec in specs:
+        if spec in cache or cache.holds(spec):
+            cached.append(spec)
         else:
             todo.append((spec, None))
-    return hits, todo
+    return cached, todo
+
+
+def _hits(specs: list[ChunkSpec], source: Any, cache: Any) -> Iterator[tuple[ChunkSpec, Any]]:
+    """``(spec, a copy of its chunk)`` for each of ``specs``, copied out of ``cache`` a group of ``GROUP``
+    bytes at a time (all at once, a map over cached data held a second copy of it beside the
+    result); a chunk evicted meanwhile is read again, one a prefetch of the cache is reading is
+    waited for."""
+    from gpulazy.integrity import check_all_unchanged
+
+    for group in groups_by_bytes(specs, lambda s: s.out_nbytes):
+        copies = cache.get_cached(group)
+        # A cached chunk of a file changed since indexing is never used; the engine checks the files
+        # of what it reads after the reads.
+        check_all_unchanged([s for s, a in zip(group, copies) if a is not None])
+        for spec, arr in zip(group, copies):
+            yield spec, arr if arr is not None else cache.get(spec, source.read)
 
 
 class _Result:

@@ -62,13 +62,12 @@ def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dic
         calls = _Calls(func, kwargs, result, workers(dev, threaded), dev)
         try:
             cached, todo = _split(list(specs.values()), cache)
-            hits = [_hits(cached, source, cache)] if cached else []
+            hits = _hits(cached, source, cache)  # (a generator: mapped once, then empty)
             offer = cache is not None and cache.keeps(sum(s.out_nbytes for s in specs.values()))
 
             def landed(spec: ChunkSpec, arr: Any) -> None:
-                while hits:  # mapped once the first reads are in flight
-                    for hit in hits.pop():
-                        calls.map(*hit)
+                for hit in hits:  # mapped once the first reads are in flight
+                    calls.map(*hit)
                 if offer:
                     arr = cache.get(spec, lambda s, a=arr: a)  # kept; ``func`` gets a copy
                 calls.map(spec, arr)
@@ -79,9 +78,8 @@ def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dic
                 largest = max(held_bytes(s) for s, _ in todo)
                 read_in_order(todo, backend, source.verify, landed, max(STAGED, inflight_room(dev), 2 * largest),
                               each=True)
-            while hits:  # (nothing was read)
-                for hit in hits.pop():
-                    calls.map(*hit)
+            for hit in hits:  # (nothing was read)
+                calls.map(*hit)
         except BaseException:
             calls.close(cancel=True)
             raise

@@ -150,6 +150,11 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
         "map_blocks(b * 2)": (lambda: vol.map_blocks(_twice, dtype=vol.dtype).compute(), lambda: _twice(rawv()),
                               lambda: naive.map_blocks(_twice, dtype=naive.dtype).compute(), total,
                               "planes compute()"),
+        # A reduction of a map: the map's function folded into the streamed reduction's chain.
+        "map_blocks(b * 2).max(axis=0)": (lambda: vol.map_blocks(_twice, dtype=vol.dtype).max(axis=0).compute(),
+                                          lambda: _twice(rawv()).max(axis=0),
+                                          lambda: naive.map_blocks(_twice, dtype=naive.dtype).max(axis=0).compute(),
+                                          total, "planes compute()"),
     }
 
 
@@ -251,10 +256,11 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
             rows_out[f"{name}, fused_reductions=False (dask's tree)"] = _ratios({
                 "gpulazy": gbps(_best(with_config(ours, fused_reductions=False), repeat, sync), nbytes)},
                 rows_out[whole], rows_out[name].get("raw"))
-        ours, _, _, nbytes, whole = derived["map_blocks(b * 2)"]
-        rows_out["map_blocks(b * 2), streamed_maps=False (dask's tasks)"] = _ratios({
-            "gpulazy": gbps(_best(with_config(ours, streamed_maps=False), repeat, sync), nbytes)},
-            rows_out[whole], rows_out["map_blocks(b * 2)"].get("raw"))
+        for name in ("map_blocks(b * 2)", "map_blocks(b * 2).max(axis=0)"):
+            ours, _, _, nbytes, whole = derived[name]
+            rows_out[f"{name}, streamed_maps=False (dask's tasks)"] = _ratios({
+                "gpulazy": gbps(_best(with_config(ours, streamed_maps=False), repeat, sync), nbytes)},
+                rows_out[whole], rows_out[name].get("raw"))
         rows_out["MIP, dask's tree, staging=never (KvikIO's streams)"] = _ratios({
             "gpulazy": gbps(_best(with_config(lambda: vol.max(axis=0).compute(), fused_reductions=False,
                                               staging="never"), repeat, sync))},

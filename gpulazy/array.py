@@ -350,17 +350,21 @@ def _array_class() -> type:
             lands (``gpulazy.read.mapped``) when the map is one call per chunk with nothing else to know."""
             out = super().map_blocks(func, *args, **kwargs)
             given = {k: v for k, v in kwargs.items() if k not in _MAP_OPTIONS}
-            if not _streams_map(self, func, args, kwargs, given, out):
+            files = _files_of(self)
+            if files is None or not _streams_map(self, func, args, kwargs, given, out):
                 return out
+            specs, source, before = files
+            if before is not None:  # a map of a map: one call a chunk, the functions in turn
+                func, given = _Then(before, (func, given)), {}
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            mapped._gl_map_of = (out.name, self._gl_specs, self._gl_source, self.chunks, func, given)
+            mapped._gl_map_of = (out.name, specs, source, self.chunks, func, given)
             return mapped
 
         # -- reductions that run as the reads land (gpulazy.read.reduce) ----------------------
 
         def astype(self, dtype: Any, **kwargs: Any) -> Any:
             """``dask.array.Array.astype``; a reduction of the result still runs as the reads land."""
-            if kwargs or getattr(self, "_gl_name", None) != self.name or np.dtype(dtype) == self.dtype:
+            if kwargs or _files_of(self) is None or np.dtype(dtype) == self.dtype:
                 return super().astype(dtype, **kwargs)
             cast = _cast(self, np.dtype(dtype))
             cast._gl_cast_of = (self, cast.dtype)
@@ -389,11 +393,11 @@ def _array_class() -> type:
             when it can; otherwise dask's own reduction."""
             base, cast = getattr(self, "_gl_cast_of", (self, None))
             extra = {k: v for k, v in kwargs.items() if k != "ddof"}
+            files = _files_of(base)
             if (not config.get("fused_reductions") or any(v is not None for v in extra.values())
-                    or getattr(base, "_gl_name", None) != base.name or 0 in self.shape
-                    or _distributed_client_active()):
+                    or files is None or 0 in self.shape or _distributed_client_active()):
                 return getattr(super(), op)(axis=axis, keepdims=keepdims, **kwargs)
-            return _streamed(base, op, axis, keepdims, int(kwargs.get("ddof", 0)), cast)
+            return _streamed(base, files, op, axis, keepdims, int(kwargs.get("ddof", 0)), cast)
 
         def _fast_path_ok(self, kwargs: dict) -> bool:
             if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
@@ -420,10 +424,35 @@ def _cast(arr: Any, dtype: np.dtype) -> Any:
     return _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
 
 
-def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:
+def _files_of(arr: Any) -> tuple[dict, ChunkSource, tuple | None] | None:
+    """``(specs, source, mapping)`` when each block of ``arr`` is a chunk of files as they are
+    (``mapping`` ``None``) or a streamed map's function of one (``mapping`` ``(func, kwargs)``,
+    ``GpulazyArray.map_blocks``); ``None`` for anything else (also an array changed in place)."""
+    if getattr(arr, "_gl_name", None) == arr.name:
+        return arr._gl_specs, arr._gl_source, None
+    mapped = getattr(arr, "_gl_map_of", None)
+    if mapped is not None and mapped[0] == arr.name:
+        return mapped[1], mapped[2], (mapped[4], mapped[5])
+    return None
+
+
+class _Then:
+    """A map's function after another's (``vol.map_blocks(f).map_blocks(g)``): ``g(f(chunk, **fkw), **gkw)``."""
+
+    def __init__(self, first: tuple, then: tuple):
+        self.first, self.then = first, then
+        self.__name__ = f"{getattr(then[0], '__name__', 'func')}-of-{getattr(first[0], '__name__', 'func')}"
+
+    def __call__(self, chunk: Any) -> Any:
+        (f, fkw), (g, gkw) = self.first, self.then
+        return g(f(chunk, **fkw), **gkw)
+
+
+def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:
     """A dask array whose graph is one chain (start, a step per group of chunks, the result): ``op`` of
-    ``base`` (cast to ``cast`` first) folded as its chunks are read. A gpulazy array, for its
-    ``compute()`` without dask (``_gl_stream_of``)."""
+    ``base`` (cast to ``cast`` first) folded as its chunks are read (``files``: ``_files_of(base)``;
+    a streamed map's function called on each first). A gpulazy array, for its ``compute()``
+    without dask (``_gl_stream_of``)."""
     from dask._task_spec import DataNode, Task, TaskRef
     from dask.array.utils import validate_axis
     from dask.base import tokenize
@@ -441,11 +470,13 @@ def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: An
         n for a, n in enumerate(base.shape) if a not in axis)
     dtype = result_dtype(op, base.dtype, ndim, axis, cast)
     name = f"{op}-streamed-" + tokenize(base.name, op, axis, keepdims, ddof, None if cast is None else str(cast))
-    groups = groups_of(base._gl_specs)
+    specs, source, mapping = files
+    groups = groups_of(specs)
     # A chain: start, a step per group (an interrupt stops between them), the result.
     step = f"{name}-step"
-    layer: dict = {(step, -1): Task((step, -1), stream_start, DataNode(None, groups), base._gl_source,
-                                    DataNode(None, base.chunks), base.dtype, op, DataNode(None, axis), ddof, cast)}
+    layer: dict = {(step, -1): Task((step, -1), stream_start, DataNode(None, groups), source,
+                                    DataNode(None, base.chunks), base.dtype, op, DataNode(None, axis), ddof, cast,
+                                    DataNode(None, mapping))}
     for k in range(len(groups)):
         # Each step also depends on a node of its own: dask fuses a linear chain into one task,
         # which would leave an interrupt nothing to stop between.
@@ -455,11 +486,11 @@ def _streamed(base: Any, op: str, axis: Any, keepdims: bool, ddof: int, cast: An
     key = (name,) + (0,) * len(shape)
     layer[key] = Task(key, stream_result, TaskRef((step, len(groups) - 1)), keepdims)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
-    out = _array_class()(graph, name, tuple((n,) for n in shape), meta=get_device(base._gl_source.device).meta(
+    out = _array_class()(graph, name, tuple((n,) for n in shape), meta=get_device(source.device).meta(
         len(shape), dtype))
     # Its compute() on a local scheduler with no callback runs this chain without dask (``run_stream``);
     # dask.compute, callbacks (progress bars, the prefetcher) and clusters run the graph.
-    out._gl_stream_of = (groups, base._gl_source, base.chunks, base.dtype, op, axis, ddof, cast, keepdims)
+    out._gl_stream_of = (groups, source, base.chunks, base.dtype, op, axis, ddof, cast, keepdims, mapping)
     return out
 
 
@@ -468,13 +499,13 @@ _MAP_OPTIONS = ("name", "token", "dtype", "chunks", "drop_axis", "new_axis", "en
 
 
 def _streams_map(arr: Any, func: Any, args: tuple, kwargs: dict, given: dict, out: Any) -> bool:
-    """Whether ``arr.map_blocks(func, *args, **kwargs)`` (giving ``out``) is one call per chunk of the
-    files as they are, with nothing but the chunk and ``given`` keywords to pass: the calls
-    ``gpulazy.read.mapped`` makes."""
+    """Whether ``arr.map_blocks(func, *args, **kwargs)`` (giving ``out``) of ``arr``, whose blocks are
+    chunks of files or a streamed map of them (``_files_of``), is one call per block with nothing but
+    the block and ``given`` keywords to pass: the calls ``gpulazy.read.mapped`` makes."""
     from dask.base import is_dask_collection
     from dask.utils import has_keyword
 
-    return (bool(config.get("streamed_maps")) and getattr(arr, "_gl_name", None) == arr.name and not args
+    return (bool(config.get("streamed_maps")) and not args
             and kwargs.get("chunks") is None and not kwargs.get("drop_axis") and not kwargs.get("new_axis")
             and not kwargs.get("enforce_ndim") and callable(func)
             and not any(has_keyword(func, k) for k in ("block_info", "block_id"))

@@ -140,9 +140,8 @@ def test_a_map_computed_with_callbacks_or_options_or_changed_runs_on_dask(tmp_pa
     want[0, 0, 0] = 7
     np.testing.assert_array_equal(mapped.compute(), want)
     assert mapped.compute_path == "dask"
-    # what follows a map (a reduction of it) is dask's
-    np.testing.assert_array_equal(vol.map_blocks(lambda b: b + 1, dtype=vol.dtype).sum().compute(),
-                                  (data.astype("u8") + 1).sum())
+    total = mapped.sum()  # what follows a changed map is dask's
+    assert "streamed" not in total.name and total.compute() == want.astype("u8").sum()
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
@@ -314,5 +313,152 @@ def test_a_map_on_a_gpu_gives_cupy_values_as_dask_does(tmp_path, scheduler):
             np.testing.assert_array_equal(to_host(cached.map_blocks(bump, dtype=cached.dtype).compute(
                 scheduler=scheduler)), want + 1)
         assert cache.stats()["hits"] == 4
+    finally:
+        cache.close()
+
+
+# -- what follows a map: a reduction, a cast, another map ------------------------------------------------
+
+OPS = ["max", "min", "sum", "mean", "var", "std"]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(shape=st.tuples(st.integers(1, 9), st.integers(1, 7), st.integers(1, 5)), data=st.data())
+def test_a_reduction_of_a_map_streams_and_equals_numpy_of_the_mapped_values(tmp_path_factory, shape, data):
+    chunks = tuple(data.draw(st.integers(1, n)) for n in shape)
+    op = data.draw(st.sampled_from(OPS))
+    axis = data.draw(st.one_of(st.none(), st.sampled_from(range(-3, 3)),
+                               st.sets(st.integers(0, 2), min_size=1).map(tuple)))
+    cast = data.draw(st.sampled_from([None, "f8", "u1"]))
+    vol, values = _volume(tmp_path_factory.mktemp("m"), shape=shape, chunks=chunks)
+    mapped = vol.map_blocks(lambda b: b * 3 + 1)
+    if cast is not None:
+        mapped, values = mapped.astype(cast), (values * 3 + 1).astype(cast)
+    else:
+        values = values * 3 + 1
+    r = getattr(mapped, op)(axis=axis)
+    assert "streamed" in r.name  # the map's function folded into the chain, not dask's tree
+    want = getattr(np, op)(values, axis=axis)
+    got = r.compute()
+    assert r.compute_path == "fast"
+    (through_dask,) = dask.compute(r)  # the same chain as dask tasks
+    for out in (got, through_dask):
+        assert out.shape == want.shape and np.asarray(out).dtype == want.dtype
+        if op in ("max", "min") or op == "sum" and want.dtype.kind in "ui":
+            np.testing.assert_array_equal(out, want)
+        else:
+            np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_a_map_of_a_map_streams_and_so_does_its_reduction(tmp_path):
+    vol, data = _volume(tmp_path)
+    calls = []
+
+    def first(b, k):
+        calls.append("first")
+        return b + k
+
+    def then(b):
+        calls.append("then")
+        return b.astype("f4") / 2
+
+    twice = vol.map_blocks(first, k=3).map_blocks(then)
+    calls.clear()  # (dask called each on an empty array for its dtype)
+    got = twice.compute(scheduler="sync")
+    assert twice.compute_path == "fast" and got.dtype == np.float32
+    np.testing.assert_array_equal(got, (data + 3).astype("f4") / 2)
+    assert calls == ["first", "then"] * 4  # one call of each a chunk, in turn
+    calls.clear()
+    assert twice.max().compute() == ((data + 3).astype("f4") / 2).max() and len(calls) == 8
+    on_dask = _on_dask(vol, first, k=3).map_blocks(then)  # dask's two maps, for reference
+    assert getattr(on_dask, "_gl_map_of", None) is None
+    np.testing.assert_array_equal(on_dask.compute(), got)
+
+
+def test_a_reduction_of_a_map_gives_its_function_copies_of_cached_chunks(tmp_path):
+    cache = DeviceCache("1 MiB", device="cpu")
+    try:
+        vol, data = _volume(tmp_path, cache=cache)
+
+        def bump(b):
+            b += 1  # into its input: must not reach the cache
+            return b
+
+        for turn in ("miss", "hit"):
+            read_before = gpulazy.stats().snapshot()["bytes_read"]
+            assert vol.map_blocks(bump).sum().compute() == (data.astype("u8") + 1).sum(), turn
+        assert gpulazy.stats().snapshot()["bytes_read"] == read_before  # the second read nothing
+        assert cache.stats()["hits"] == 4 and cache.bytes_held == data.nbytes
+        np.testing.assert_array_equal(vol.compute(), data)  # the cache still holds the file's values
+    finally:
+        cache.close()
+
+
+def test_a_reduction_of_a_map_that_changes_its_blocks(tmp_path):
+    """Along the axes it reduces, a block may change length (the fold counts what the block holds, as
+    dask's reduction does); along the others it may not: the error names the chunk, the file and
+    the way out (``chunks=``)."""
+    vol, data = _volume(tmp_path)  # chunks (3, 6, 5)
+    firsts = vol.map_blocks(lambda b: b[:1])
+    assert firsts.sum().compute() == data[::3].astype("u8").sum()
+    np.testing.assert_array_equal(firsts.max(axis=0).compute(), data[::3].max(axis=0))
+    assert firsts.mean().compute() == pytest.approx(data[::3].mean())
+    with pytest.raises(ValueError) as info:
+        firsts.max(axis=1).compute()
+    assert vol.chunk_index.paths[0] in str(info.value) and "chunks=" in str(info.value)
+    assert "(1, 6, 5)" in str(info.value) and "(3, 6, 5)" in str(info.value)
+    declared = vol.map_blocks(lambda b: b[:1], chunks=((1,) * 4, (6,), (5,)))  # said: dask's
+    np.testing.assert_array_equal(declared.max(axis=1).compute(), data[::3].max(axis=1))
+
+
+def test_an_error_in_a_reduced_maps_function_settles_every_read_first(tmp_path, monkeypatch):
+    from gpulazy.read import engine, whole
+
+    vol, _ = _volume(tmp_path, shape=(40, 6, 5), chunks=(2, 6, 5))
+    monkeypatch.setattr(whole, "GROUP", 1)  # a group per chunk: several groups read ahead
+    started, start = [], engine.start
+
+    def recorded(*args, **kwargs):
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(engine, "start", recorded)
+    called = []
+
+    def fails_on_third(b):
+        called.append(1)
+        if len(called) == 3:
+            raise ZeroDivisionError("no good")
+        return b
+
+    with pytest.raises(ZeroDivisionError, match="no good"):
+        vol.map_blocks(fails_on_third).max(axis=0).compute()
+    assert len(called) == 3 and len(started) > 3  # later groups were in flight
+    assert all(reads.outcomes[i] is not engine._PENDING for reads in started for i in range(len(reads)))
+
+
+@pytest.mark.gpu
+def test_a_reduction_of_a_map_on_a_gpu(tmp_path):
+    import cupy as cp
+
+    cache = DeviceCache("64 MiB", device="cuda:0")
+    try:
+        vol, data = _volume(tmp_path, shape=(16, 64, 64), chunks=(4, 64, 64), device="cuda:0", cache=cache)
+
+        def bump(b):
+            b += 1  # into its input: must not reach the cache
+            return cp.sqrt(b.astype("f4"))
+
+        want = np.sqrt((data + 1).astype("f4"))
+        for turn in ("miss", "hit"):
+            got = vol.map_blocks(bump).max(axis=0).compute()
+            assert isinstance(got, cp.ndarray)
+            np.testing.assert_allclose(to_host(got), want.max(axis=0), rtol=1e-6, err_msg=turn)
+            total = vol.map_blocks(bump).astype("f8").mean().compute()
+            assert float(total) == pytest.approx(float(want.astype("f8").mean()), rel=1e-9)
+        assert cache.stats()["hits"] >= 4
+        np.testing.assert_array_equal(to_host(vol.compute()), data)
+        with pytest.raises(ValueError, match="cupy"):
+            vol.map_blocks(lambda b: b.get()).sum().compute()
     finally:
         cache.close()

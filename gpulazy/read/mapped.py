@@ -23,7 +23,9 @@ is, and the result is then put together as dask puts it together (``concatenate3
 with nothing else to know: one array, no ``chunks=``, ``drop_axis``, ``new_axis`` or
 ``enforce_ndim``, no ``block_info``/``block_id`` parameter and no dask collection among the
 keywords; its ``compute()`` only on a local scheduler with no dask callback other than
-``gpulazy.prefetch``'s (config ``streamed_maps=False`` turns it off).
+``gpulazy.prefetch``'s (config ``streamed_maps=False`` turns it off). A map of such a map is one
+call a chunk (the functions in turn), and a reduction of one is ``gpulazy.read.reduce``'s chain
+with the function called on each chunk before its fold.
 """
 
 from __future__ import annotations

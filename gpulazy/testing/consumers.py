@@ -160,7 +160,10 @@ def _consume_dask(scheduler: str) -> Callable[[Case], None]:
 
 def consume_map(case: Case) -> None:
     """``vol.map_blocks(f).compute()`` as the reads land (``gpulazy.read.mapped``), a block of the
-    chunk's shape and one of another shape, on both local schedulers."""
+    chunk's shape and one of another shape, on both local schedulers; a MIP of each, ``f``
+    folded into the streamed reduction (``gpulazy.read.reduce``)."""
+    import dask
+
     vol, ref = case.open(), case.reference
     for scheduler in ("sync", "threads"):
         doubled = vol.map_blocks(lambda b: b.astype("f8") * 2, dtype="f8")
@@ -171,6 +174,11 @@ def consume_map(case: Case) -> None:
         starts = list(itertools.accumulate(vol.chunks[0][:-1], initial=0))
         case.check(heads.compute(scheduler=scheduler), ref[starts], f"vol.map_blocks(b[:1]).compute({scheduler!r})")
         assert heads.compute_path == "fast"
+    mip = doubled.max(axis=0)
+    case.check(mip.compute(), (ref.astype("f8") * 2).max(axis=0), "vol.map_blocks(b * 2).max(axis=0).compute()")
+    assert mip.compute_path == "fast"
+    case.check(dask.compute(heads.max(axis=0))[0], ref[starts].max(axis=0),
+               "dask.compute(vol.map_blocks(b[:1]).max(axis=0))")  # the chain as dask tasks
 
 
 def consume_slice(case: Case) -> None:

@@ -9,8 +9,8 @@ same bytes, then times, each beside its naive and raw equivalents in the same ru
   boundaries: the fast path), one off them ``planes[1:half + 1]``, ``big.astype("f8").sum()``
   and ``planes.mean()``; with ``--read-ahead 0,1GiB,4GiB`` (and/or ``--batch-size LIST``) these
   derived rows again under each ``gpulazy.config.set(read_ahead=...)`` (``batch_size=...``);
-- the whole read and the MIP with a callback active (dask's ``ProgressBar`` and a user's
-  no-op ``Callback``), as a ratio to the same compute without it;
+- the whole read, the MIP and ``map_blocks(b * 2)`` with a callback active (gpulazy's and dask's
+  ``ProgressBar`` and a user's no-op ``Callback``), as a ratio to the same compute without it;
 - a second MIP over data held in a ``DeviceCache`` against re-reading it;
 - read + per-chunk compute with ``gpulazy.prefetch`` (``bench_prefetch.run``), for a
   GPU-bound (``matmul``) and a launch-bound (``launch``) compute, sync and threaded.
@@ -280,7 +280,8 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
                            ("dask ProgressBar", lambda: DaskProgressBar(out=io.StringIO())),
                            ("user Callback", Noop)):
             for what, fn in (("planes compute()", lambda: vol.compute()),
-                             ("MIP max(axis=0)", lambda: vol.max(axis=0).compute())):
+                             ("MIP max(axis=0)", lambda: vol.max(axis=0).compute()),
+                             ("map_blocks(b * 2)", lambda: vol.map_blocks(_twice, dtype=vol.dtype).compute())):
                 def with_cb(fn=fn, make=make):
                     with make():
                         return fn()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-__all__ = ["active_callbacks", "FastPathHooks"]
+__all__ = ["active_callbacks", "FastPathHooks", "ChunkHooks"]
 
 
 def active_callbacks(extra: Iterable[Any] | None = None) -> list[tuple]:
@@ -109,3 +109,37 @@ class FastPathHooks:
         for cb in self.callbacks:
             if cb[4] is not None:
                 cb[4](self.dsk, self.state, errored)
+
+
+class ChunkHooks:
+    """``FastPathHooks`` told chunk by chunk by a streamed map (``gpulazy.read.mapped``): a chunk's read
+    task ``(read_name, *index)`` as the chunk is handed out, then the tasks computed from that chunk
+    alone (the map's, and an inner map's for a map of a map: every other key of the graph with that
+    block index, in the graph's order) around the call. Thread-safe: on the CPU the calls run on
+    several threads, and the hooks a dask scheduler calls are never called concurrently."""
+
+    def __init__(self, hooks: FastPathHooks, read_name: str):
+        import threading
+
+        self.hooks, self.read_name = hooks, read_name
+        self.derived: dict[tuple, list] = {}
+        for key in hooks.dsk:
+            if isinstance(key, tuple) and key[0] != read_name:
+                self.derived.setdefault(key[1:], []).append(key)
+        self.lock = threading.Lock()
+
+    def read(self, index: tuple, chunk: Any) -> None:
+        key = (self.read_name, *index)
+        with self.lock:
+            self.hooks.pretask(key)
+            self.hooks.posttask(key, chunk)
+
+    def calling(self, index: tuple) -> None:
+        with self.lock:
+            for key in self.derived.get(index, ()):
+                self.hooks.pretask(key)
+
+    def called(self, index: tuple, block: Any) -> None:
+        with self.lock:
+            for key in self.derived.get(index, ()):
+                self.hooks.posttask(key, block)

@@ -123,13 +123,49 @@ def test_maps_that_need_more_than_the_chunk_run_on_dask(tmp_path):
         np.testing.assert_array_equal(mapped.compute(scheduler="sync"), want, err_msg=what)
 
 
-def test_a_map_computed_with_callbacks_or_options_or_changed_runs_on_dask(tmp_path):
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_callbacks_hear_each_chunks_read_and_map_tasks_from_the_streamed_map(tmp_path, scheduler):
+    vol, data = _volume(tmp_path)
+    mapped = vol.map_blocks(lambda b: b + 1, dtype=vol.dtype).map_blocks(lambda b: b * 2)
+    heard = []
+    lock = threading.Lock()
+
+    def post(key, result, dsk, state, worker):
+        with lock:
+            heard.append((key, to_host(result).copy(), len(state["finished"])))
+
+    with Callback(pretask=lambda key, dsk, state: heard.append(("pre", key)), posttask=post):
+        got = mapped.compute(scheduler=scheduler)
+    np.testing.assert_array_equal(got, (data + 1) * 2)
+    assert mapped.compute_path == "fast"
+    posted = [h for h in heard if h[0] != "pre"]
+    assert len(posted) == 12 and [n for _, _, n in posted] == list(range(1, 13))  # 4 chunks x (read, map, map)
+    names = [vol.name, mapped.name, *{k[0] for k, _, _ in posted} - {vol.name, mapped.name}]
+    for i in range(4):
+        (read, r), (inner, m), (outer, o) = [(k, v) for k, v, _ in posted if k[1:] == (i, 0, 0)]
+        assert (read[0], outer[0]) == (vol.name, mapped.name) and inner[0] in names
+        rows = slice(3 * i, 3 * i + 3)
+        np.testing.assert_array_equal(r, data[rows])  # a read task's result is the chunk
+        np.testing.assert_array_equal(o, (data[rows] + 1) * 2)
+        pre = [h[1] for h in heard if h[0] == "pre" and h[1][1:] == (i, 0, 0)]
+        assert pre[0] == read and set(pre) == {read, inner, outer}
+
+
+def test_gpulazys_progress_bar_counts_a_streamed_maps_chunks(tmp_path):
+    from gpulazy.widgets import ProgressBar
+
     vol, data = _volume(tmp_path)
     mapped = vol.map_blocks(lambda b: b + 1, dtype=vol.dtype)
-    ran = []
-    with Callback(pretask=lambda key, dsk, state: ran.append(key)):  # a progress bar, say
+    bar = ProgressBar(minimum=60, terminal=True)  # (shows nothing for a compute under a minute)
+    with bar:
         np.testing.assert_array_equal(mapped.compute(), data + 1)
-    assert mapped.compute_path == "dask" and len(ran) >= 8  # a read and a map task a chunk
+    assert mapped.compute_path == "fast"
+    assert (bar.done, bar.total, bar.counting, bar.bytes_read, bar.errored) == (4, 4, "reads", data.nbytes, False)
+
+
+def test_a_map_computed_with_options_or_changed_runs_on_dask(tmp_path):
+    vol, data = _volume(tmp_path)
+    mapped = vol.map_blocks(lambda b: b + 1, dtype=vol.dtype)
     np.testing.assert_array_equal(mapped.compute(optimize_graph=False), data + 1)
     assert mapped.compute_path == "dask"
     with gpulazy.prefetch(depth=2):  # the prefetcher is gpulazy's own: the streamed map reads ahead itself

@@ -22,8 +22,8 @@ is, and the result is then put together as dask puts it together (``concatenate3
 ``GpulazyArray.map_blocks`` takes this path only where dask's graph would be one call per chunk
 with nothing else to know: one array, no ``chunks=``, ``drop_axis``, ``new_axis`` or
 ``enforce_ndim``, no ``block_info``/``block_id`` parameter and no dask collection among the
-keywords; its ``compute()`` only on a local scheduler with no dask callback other than
-``gpulazy.prefetch``'s (config ``streamed_maps=False`` turns it off). A map of such a map is one
+keywords; its ``compute()`` only on a local scheduler (config ``streamed_maps=False`` turns it
+off). Active dask callbacks (a progress bar) are told of each chunk's tasks (``_hooks.ChunkHooks``). A map of such a map is one
 call a chunk (the functions in turn), and a reduction of one is ``gpulazy.read.reduce``'s chain
 with the function called on each chunk before its fold.
 """
@@ -46,7 +46,7 @@ __all__ = ["run_map"]
 
 
 def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dict, dtype: Any,
-            threaded: bool = False) -> Any:
+            threaded: bool = False, hooks: Any = None) -> Any:
     """``func(chunk, **kwargs)`` of every chunk of ``specs``, put together as dask's ``map_blocks`` would.
 
     ``threaded`` (dask's threaded scheduler): on ``"cpu"``, ``func`` runs on dask's ``num_workers``
@@ -54,14 +54,16 @@ def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dic
     are copied out and mapped while the first reads are in flight; the others are read (and
     offered to the cache unless the map reads more than it holds, ``DeviceCache.keeps``). The
     first error (a read's, ``func``'s) is raised once every read has settled and every call
-    already started has returned.
+    already started has returned. ``hooks`` (a ``gpulazy._hooks.ChunkHooks``) hears of each chunk's
+    read task as the chunk is handed out and of its map's tasks around the call: a progress bar
+    follows the map without sending it back to dask's tasks.
     """
     dev = get_device(source.device)
     cache = source.cache_instance()
     backend = source.backend_instance()
     with dev.activate():
         result = _Result(chunks, dtype, dev)
-        calls = _Calls(func, kwargs, result, workers(dev, threaded), dev)
+        calls = _Calls(func, kwargs, result, workers(dev, threaded), dev, hooks)
         try:
             cached, todo = _split(list(specs.values()), cache)
             hits = _hits(cached, source, cache)  # (a generator: mapped once, then empty)
@@ -182,8 +184,8 @@ class _Calls:
     """``func`` called on each chunk handed to ``map``: in this thread, or on ``workers`` threads
     (at most two calls a thread waiting, so chunks read do not pile up behind a slow ``func``)."""
 
-    def __init__(self, func: Callable, kwargs: dict, result: _Result, workers: int, dev: Device):
-        self.func, self.kwargs, self.result, self.dev = func, kwargs, result, dev
+    def __init__(self, func: Callable, kwargs: dict, result: _Result, workers: int, dev: Device, hooks: Any = None):
+        self.func, self.kwargs, self.result, self.dev, self.hooks = func, kwargs, result, dev, hooks
         self.stream = _MapStream(dev) if dev.is_gpu else None
         self.pool = None
         self.errors: list[BaseException] = []
@@ -192,6 +194,8 @@ class _Calls:
             self.room = threading.BoundedSemaphore(2 * workers)
 
     def map(self, spec: ChunkSpec, chunk: Any) -> None:
+        if self.hooks is not None:
+            self.hooks.read(spec.index, chunk)
         if self.pool is None:
             self._call(spec, chunk)
             return
@@ -204,12 +208,18 @@ class _Calls:
         self.pool.submit(self._pooled, spec, chunk)
 
     def _call(self, spec: ChunkSpec, chunk: Any) -> None:
+        if self.hooks is not None:
+            self.hooks.calling(spec.index)
         if self.stream is None:
-            self.result.put(spec.index, self.func(chunk, **self.kwargs))
-            return
-        with self.stream.stream:
-            self.result.put(spec.index, self.func(chunk, **self.kwargs))
-        self.stream.keep(chunk)
+            block = self.func(chunk, **self.kwargs)
+            self.result.put(spec.index, block)
+        else:
+            with self.stream.stream:
+                block = self.func(chunk, **self.kwargs)
+                self.result.put(spec.index, block)
+            self.stream.keep(chunk)
+        if self.hooks is not None:
+            self.hooks.called(spec.index, block)
 
     def _pooled(self, spec: ChunkSpec, chunk: Any) -> None:
         try:

@@ -570,6 +570,31 @@ def _time_limit(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
+@pytest.mark.parametrize("shift", [1, 144])
+def test_a_piece_offset_off_the_run_tifffile_reads_is_a_layout_error(tmp_path, shift):
+    """tifffile reads a series whose pages follow each other as one run, whatever the IFDs of the pages
+    after the first say of their strips; gpulazy reads each strip where its IFD says. A damaged offset of
+    a later page's strip (found by the fuzz test below: one byte of page 1's StripOffsets) made the two
+    give different bytes, so gpulazy's read matched no reader: it is refused, naming the page and strip."""
+    path = tmp_path / "strips.tif"
+    tifffile.imwrite(path, _random((3, 20, 12), "uint16", 1), photometric="minisblack", rowsperstrip=7)
+    with tifffile.TiffFile(path) as tif:
+        tag = tif.pages[1].tags["StripOffsets"]
+        where, offsets = tag.valueoffset, list(tif.pages[1].dataoffsets)
+        fmt = tif.byteorder + "3I"
+    assert tag.count == 3 and tag.dtype == 4  # three LONG offsets, stored out of line
+    offsets[2] += shift
+    blob = bytearray(path.read_bytes())
+    struct.pack_into(fmt, blob, where, *offsets)
+    path.write_bytes(bytes(blob))
+    with pytest.raises(LayoutError) as info:
+        _open(str(path))
+    assert str(path) in str(info.value) and "page 1 piece 2" in str(info.value)
+    assert f"starts at byte {offsets[2]}" in str(info.value) and "corrupt" in str(info.value)
+    with tifffile.TiffFile(path) as tif:  # tifffile itself reads the run, ignoring the damaged offset
+        assert tif.series[0].dataoffset is not None
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="needs SIGALRM to bound each example's time")
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())

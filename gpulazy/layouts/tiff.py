@@ -324,8 +324,32 @@ def _level(path: str, identity: FileIdentity, s: Any, meta: dict) -> _Found:
     _check_counts(path, identity.size, npages, geometry.nsegments, kf.nbytes if truncated else 0)
     offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path, truncated)
     _check_pieces(path, identity.size, offsets, counts, geometry, dtype, codec)
+    if codec is None and not truncated:
+        _check_one_run(path, s, offsets, counts, math.prod(geometry.page_shape) * dtype.itemsize)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, codec,
                   kf.nodata if kf.nodata is not None else 0, codec_name, dict(meta), inserted)
+
+
+def _check_one_run(path: str, s: Any, offsets: np.ndarray, counts: np.ndarray, page_nbytes: int) -> None:
+    """Refuse a series tifffile reads as one run whose IFDs place a piece elsewhere.
+
+    tifffile reads an uncompressed series whose pages follow each other (``series.dataoffset``:
+    it checks each page's first piece, and the pieces of the pages that share the first page's
+    tags not at all) as one run from that offset; gpulazy reads each piece where its IFD says.
+    On an intact file the two are the same bytes. On one with a damaged piece offset they are
+    not, and either reading would be wrong data without an error.
+    """
+    start = getattr(s, "dataoffset", None)
+    if start is None or not offsets.size:
+        return
+    within = np.concatenate([np.zeros((len(counts), 1), np.int64), np.cumsum(counts[:, :-1], axis=1)], axis=1)
+    want = start + page_nbytes * np.arange(len(offsets), dtype=np.int64)[:, None] + within
+    wrong = np.argwhere(offsets != want)
+    if wrong.size:
+        page, piece = (int(i) for i in wrong[0])
+        raise LayoutError(f"TIFF {path!r}: page {page} piece {piece} starts at byte {int(offsets[page, piece])} by its "
+                          f"IFD, but the series is stored as one run from byte {start}, where that piece is at byte "
+                          f"{int(want[page, piece])} (tifffile reads it there); an offset is damaged: the file is corrupt")
 
 
 def _inserted_axes(shape: tuple[int, ...], page_shape: tuple[int, ...], npages: int) -> tuple[int, ...] | None:

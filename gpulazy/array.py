@@ -377,7 +377,7 @@ def _array_class() -> type:
                 func, given = _Then(before, (func, given)), {}
                 read_name = self._gl_map_of[6]
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            mapped._gl_map_of = (out.name, specs, source, self.chunks, func, given, read_name)
+            mapped._gl_map_of = (out.name, specs, source, out.chunks, func, given, read_name)
             return mapped
 
         # -- reductions that run as the reads land (gpulazy.read.reduce) ----------------------
@@ -525,12 +525,14 @@ def _streams_map(arr: Any, func: Any, args: tuple, kwargs: dict, given: dict, ou
     from dask.base import is_dask_collection
     from dask.utils import has_keyword
 
+    # ``chunks=`` may give the blocks other lengths (a thumbnail, a statistic a chunk), not other
+    # axes: block (i, j, k) of the map is still made of chunk (i, j, k) alone.
     return (bool(config.get("streamed_maps")) and not args
-            and kwargs.get("chunks") is None and not kwargs.get("drop_axis") and not kwargs.get("new_axis")
+            and not kwargs.get("drop_axis") and not kwargs.get("new_axis")
             and not kwargs.get("enforce_ndim") and callable(func)
             and not any(has_keyword(func, k) for k in ("block_info", "block_id"))
             and not any(is_dask_collection(v) for v in given.values())
-            and out.chunks == arr.chunks and all(all(c) for c in out.chunks))
+            and out.numblocks == arr.numblocks and all(all(c) for c in out.chunks))
 
 
 def _threaded(kwargs: dict) -> bool:

@@ -111,7 +111,6 @@ def test_maps_that_need_more_than_the_chunk_run_on_dask(tmp_path):
     cases = {
         "block_info": (vol.map_blocks(info, dtype=vol.dtype), data + offsets),
         "block_id": (vol.map_blocks(ident, dtype=vol.dtype), data + offsets),
-        "chunks=": (vol.map_blocks(lambda b: b[:1], chunks=((1,) * 4, (6,), (5,)), dtype=vol.dtype), data[::3]),
         "drop_axis": (vol.map_blocks(lambda b: b.sum(axis=2), drop_axis=2, dtype="u8"), data.sum(axis=2)),
         "new_axis": (vol.map_blocks(lambda b: b[..., None], new_axis=3, dtype=vol.dtype), data[..., None]),
         "a second array": (vol.map_blocks(np.add, other, dtype=vol.dtype), data * 2),
@@ -443,8 +442,31 @@ def test_a_reduction_of_a_map_that_changes_its_blocks(tmp_path):
         firsts.max(axis=1).compute()
     assert vol.chunk_index.paths[0] in str(info.value) and "chunks=" in str(info.value)
     assert "(1, 6, 5)" in str(info.value) and "(3, 6, 5)" in str(info.value)
-    declared = vol.map_blocks(lambda b: b[:1], chunks=((1,) * 4, (6,), (5,)))  # said: dask's
+    declared = vol.map_blocks(lambda b: b[:1], chunks=((1,) * 4, (6,), (5,)))  # said: the kept axes may change
     np.testing.assert_array_equal(declared.max(axis=1).compute(), data[::3].max(axis=1))
+    with pytest.raises(ValueError, match=r"block \(0, 0, 0\) \(shape \(2, 6, 5\)\)"):  # said wrong
+        vol.map_blocks(lambda b: b[:1], chunks=((2,) * 4, (6,), (5,))).max(axis=1).compute()
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_a_map_given_chunks_streams_blocks_of_those_lengths(tmp_path, scheduler):
+    """``chunks=`` gives the map's blocks other lengths (a thumbnail a chunk, a statistic a chunk);
+    block (i, j, k) is still made of chunk (i, j, k) alone, so the map streams."""
+    vol, data = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5))
+    thumbs = vol.map_blocks(lambda b: b[:, ::2, ::5], chunks=((3,) * 4, (3,), (1, 1)))
+    got = thumbs.compute(scheduler=scheduler)
+    assert thumbs.compute_path == "fast" and got.shape == thumbs.shape == (12, 3, 2)
+    want = np.concatenate([data[:, ::2, 0:1], data[:, ::2, 5:6]], axis=2)
+    np.testing.assert_array_equal(got, want)
+    peaks = vol.map_blocks(lambda b: b.max(axis=0, keepdims=True), chunks=((1,) * 4, (6,), (5, 5)))
+    np.testing.assert_array_equal(peaks.compute(scheduler=scheduler), data.reshape(4, 3, 6, 10).max(axis=1))
+    assert peaks.compute_path == "fast"
+    total = peaks.sum(axis=0)  # a reduction of it streams, over the declared blocks
+    assert "streamed" in total.name
+    np.testing.assert_array_equal(total.compute(), data.reshape(4, 3, 6, 10).max(axis=1).astype("u8").sum(axis=0))
+    wrong = vol.map_blocks(lambda b: b[:1], chunks=((2,) * 4, (6,), (5, 5)))  # declared wrong: as dask puts it
+    np.testing.assert_array_equal(wrong.compute(scheduler=scheduler),
+                                  _on_dask(vol, lambda b: b[:1], chunks=((2,) * 4, (6,), (5, 5))).compute())
 
 
 def test_an_error_in_a_reduced_maps_function_settles_every_read_first(tmp_path, monkeypatch):

@@ -219,11 +219,13 @@ class ReduceStream:
         func, kwargs = self.mapping
         block = func(chunk, **kwargs)
         xp = self.dev.xp
+        # (the map's declared block: its ``chunks=``, or the chunk's own shape)
+        declared = tuple(c[i] for c, i in zip(self.chunks, spec.index))
         if not isinstance(block, xp.ndarray) or block.ndim != chunk.ndim or any(
-                block.shape[a] != spec.shape[a] for a in range(chunk.ndim) if a not in self.axis):
+                block.shape[a] != declared[a] for a in range(chunk.ndim) if a not in self.axis):
             name = getattr(func, "__name__", repr(func))
             got = f"a {type(block).__module__}.{type(block).__name__} of shape {getattr(block, 'shape', ())}"
-            raise ValueError(f"map_blocks({name}) gave {got} for chunk {spec.index} (shape {spec.shape}) of "
+            raise ValueError(f"map_blocks({name}) gave {got} for block {spec.index} (shape {declared}) of "
                              f"{spec.paths[0] if spec.paths else '?'!r}; a reduction over axis {self.axis} of "
                              f"the map needs {xp.__name__} blocks with the other axes as in the chunk "
                              f"(give map_blocks chunks= for a map that changes them)")

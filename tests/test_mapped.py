@@ -520,3 +520,24 @@ def test_a_reduction_of_a_map_on_a_gpu(tmp_path):
             vol.map_blocks(lambda b: b.get()).sum().compute()
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_blocks_that_tile_another_grid_are_copied_into_one_result_and_mixed_dtypes_concatenated(tmp_path, scheduler,
+                                                                                            monkeypatch):
+    import dask.array.core as dac
+
+    vol, data = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5))
+    concatenated = []
+    real = dac.concatenate3
+    monkeypatch.setattr(dac, "concatenate3", lambda arrays: concatenated.append(1) or real(arrays))
+    corners = vol.map_blocks(lambda b: b[:1, :2, :1].copy())  # blocks of 1 x 2 x 1: a grid of its own
+    got = corners.compute(scheduler=scheduler)
+    assert not concatenated and got.shape == (4, 2, 2) and got.dtype == data.dtype
+    np.testing.assert_array_equal(got, _on_dask(vol, lambda b: b[:1, :2, :1].copy()).compute())
+    high = data[::3, 0, ::5] > 500
+    assert high.any() and not high.all()
+    mixed = vol.map_blocks(lambda b: b[:1].astype("f8") if b[0, 0, 0] > 500 else b[:1])  # two dtypes: dask's way
+    got = mixed.compute(scheduler=scheduler)
+    assert concatenated and got.dtype == np.float64
+    np.testing.assert_array_equal(got, data[::3])

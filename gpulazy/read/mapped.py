@@ -142,6 +142,7 @@ class _Result:
     """The mapped array: blocks copied into one array as they come, or kept when one does not fit."""
 
     def __init__(self, chunks: tuple, dtype: Any, dev: Device):
+        self.dev = dev
         self.edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
         self.numblocks = tuple(len(c) for c in chunks)
         self.out = dev.alloc(tuple(e[-1] for e in self.edges), np.dtype(dtype))
@@ -170,6 +171,9 @@ class _Result:
     def value(self) -> Any:
         if self.kept is None:
             return self.out
+        regridded = self._regridded()
+        if regridded is not None:
+            return regridded
         from dask.array.core import concatenate3
 
         def nest(prefix: tuple[int, ...]) -> Any:
@@ -178,6 +182,28 @@ class _Result:
             return [nest(prefix + (i,)) for i in range(self.numblocks[len(prefix)])]
 
         return concatenate3(nest(()))
+
+
+    def _regridded(self) -> Any:
+        """The kept blocks copied into one array, when they tile one (each axis's block lengths the
+        same across the other axes; the result's array type, one dtype): what ``concatenate3`` gives,
+        without its concatenation a row of blocks at a time (65 concatenations for 64 blocks of
+        1 x 1: 7 % of a streamed map's calling thread under cProfile on an H200, twenty-sixth
+        session's ``mapprof``)."""
+        kept = self.kept
+        first = next(iter(kept.values()))
+        lengths: list[dict[int, int]] = [{} for _ in self.numblocks]
+        for index, block in kept.items():
+            if type(block) is not type(self.out) or block.dtype != first.dtype or block.ndim != len(index):
+                return None
+            for a, (i, n) in enumerate(zip(index, block.shape)):
+                if lengths[a].setdefault(i, n) != n:
+                    return None
+        edges = [list(itertools.accumulate((ls[i] for i in range(len(ls))), initial=0)) for ls in lengths]
+        out = self.dev.alloc(tuple(e[-1] for e in edges), first.dtype)
+        for index, block in kept.items():
+            out[tuple(slice(e[i], e[i + 1]) for e, i in zip(edges, index)) + (Ellipsis,)] = block
+        return out
 
 
 class _Calls:

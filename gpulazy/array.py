@@ -312,7 +312,7 @@ def _array_class() -> type:
                 self.compute_path = "fast"
                 from gpulazy.read.reduce import run_stream
 
-                return run_stream(*chain)
+                return run_stream(*chain, threaded=_threaded(kwargs))
             mapped = getattr(self, "_gl_map_of", None)
             if mapped is not None and mapped[0] == self.name and _local_compute(kwargs):
                 self.compute_path = "fast"

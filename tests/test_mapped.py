@@ -385,6 +385,27 @@ def test_a_reduction_of_a_map_streams_and_equals_numpy_of_the_mapped_values(tmp_
             np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
+def test_a_reduction_of_a_map_calls_func_on_the_schedulers_threads_and_folds_in_block_order(tmp_path):
+    vol, data = _volume(tmp_path, shape=(40, 6, 5), chunks=(2, 6, 5), dtype="<f4")
+    threads = []
+
+    def noisy(b):
+        threads.append(threading.current_thread().name)
+        return b * np.float32(1.1) + np.float32(1e-3)
+
+    sums = {}
+    for scheduler in ("sync", "threads"):
+        total = vol.map_blocks(noisy).sum()
+        threads.clear()  # (dask called it on an empty array for its dtype)
+        sums[scheduler] = total.compute(scheduler=scheduler)
+        assert total.compute_path == "fast" and len(threads) == 20
+        on_pool = [t.startswith("gpulazy-map") for t in threads]
+        assert all(on_pool) if scheduler == "threads" else not any(on_pool)
+    assert sums["sync"] == sums["threads"]  # the same folds in the same order: the same float sum
+    assert sums["sync"] == pytest.approx(float((data * np.float32(1.1) + np.float32(1e-3)).sum()), rel=1e-5)
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpulazy-map")]  # let go of
+
+
 def test_a_map_of_a_map_streams_and_so_does_its_reduction(tmp_path):
     vol, data = _volume(tmp_path)
     calls = []
@@ -523,7 +544,7 @@ def test_a_reduction_of_a_map_on_a_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
-def test_blocks_that_tile_another_grid_are_copied_into_one_result_and_mixed_dtypes_concatenated(tmp_path, scheduler,
+def test_blocks_that_tile_another_grid_are_joined_an_axis_at_a_time_and_mixed_dtypes_concatenated(tmp_path, scheduler,
                                                                                             monkeypatch):
     import dask.array.core as dac
 

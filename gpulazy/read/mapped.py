@@ -42,7 +42,7 @@ from gpulazy.device import Device, get_device
 from gpulazy.read.whole import STAGED, groups_by_bytes, held_bytes, inflight_room, read_in_order
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["run_map"]
+__all__ = ["run_map", "workers", "MapBlocks"]
 
 
 def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dict, dtype: Any,
@@ -155,10 +155,11 @@ class _Result:
         return tuple(slice(e[i], e[i + 1]) for e, i in zip(self.edges, index)) + (Ellipsis,)
 
     def put(self, index: tuple[int, ...], block: Any) -> None:
-        view = self.out[self._region(index)]
-        fits = type(block) is type(self.out) and block.shape == view.shape and block.dtype == view.dtype
+        # (the region's shape from the edges: a view of the result made only to be written)
+        shape = tuple(e[i + 1] - e[i] for e, i in zip(self.edges, index))
+        fits = type(block) is type(self.out) and block.shape == shape and block.dtype == self.out.dtype
         if fits and self.kept is None:
-            view[...] = block
+            self.out[self._region(index)] = block
             with self.lock:
                 if self.kept is None:
                     self.placed.add(index)
@@ -171,9 +172,9 @@ class _Result:
     def value(self) -> Any:
         if self.kept is None:
             return self.out
-        regridded = self._regridded()
-        if regridded is not None:
-            return regridded
+        joined = self._joined()
+        if joined is not None:
+            return joined
         from dask.array.core import concatenate3
 
         def nest(prefix: tuple[int, ...]) -> Any:
@@ -184,12 +185,13 @@ class _Result:
         return concatenate3(nest(()))
 
 
-    def _regridded(self) -> Any:
-        """The kept blocks copied into one array, when they tile one (each axis's block lengths the
-        same across the other axes; the result's array type, one dtype): what ``concatenate3`` gives,
-        without its concatenation a row of blocks at a time (65 concatenations for 64 blocks of
-        1 x 1: 7 % of a streamed map's calling thread under cProfile on an H200, twenty-sixth
-        session's ``mapprof``)."""
+    def _joined(self) -> Any:
+        """The kept blocks joined into one array when they tile one (each axis's block lengths the
+        same across the other axes; the result's array type, one dtype): what ``concatenate3``
+        gives, with one concatenation an axis of more than one block. ``concatenate3`` concatenates
+        every row of blocks, however short: 65 concatenations for 64 blocks of 1 x 1, 7 % of a
+        streamed map's calling thread under cProfile on an H200; copying each block into one
+        allocation still took 1.8 ms for those 64 (twenty-sixth session, ``mapprof``, ``mapparts``)."""
         kept = self.kept
         first = next(iter(kept.values()))
         lengths: list[dict[int, int]] = [{} for _ in self.numblocks]
@@ -199,11 +201,16 @@ class _Result:
             for a, (i, n) in enumerate(zip(index, block.shape)):
                 if lengths[a].setdefault(i, n) != n:
                     return None
-        edges = [list(itertools.accumulate((ls[i] for i in range(len(ls))), initial=0)) for ls in lengths]
-        out = self.dev.alloc(tuple(e[-1] for e in edges), first.dtype)
-        for index, block in kept.items():
-            out[tuple(slice(e[i], e[i + 1]) for e, i in zip(edges, index)) + (Ellipsis,)] = block
-        return out
+        concatenate = self.dev.xp.concatenate
+
+        def join(prefix: tuple[int, ...]) -> Any:
+            axis = len(prefix)
+            if axis == len(self.numblocks):
+                return kept[prefix]
+            parts = [join(prefix + (i,)) for i in range(self.numblocks[axis])]
+            return parts[0] if len(parts) == 1 else concatenate(parts, axis=axis)
+
+        return join(())
 
 
 class _Calls:
@@ -314,3 +321,69 @@ class _MapStream:
 
 #: Arrays ``_MapStream.keep`` holds under one event.
 HELD_EVERY = 8
+
+
+class MapBlocks:
+    """A streamed map's function made into blocks for a consumer that folds them (a streamed
+    reduction of the map, ``gpulazy.read.reduce``), each checked against what the fold needs.
+
+    ``made(chunks)`` yields ``(spec, block)`` in the order given: in the calling thread, or, once
+    ``use_threads(True)`` on ``"cpu"``, on ``num_workers`` threads (at most two calls a thread
+    ahead of the fold), as dask's threaded scheduler would run the map's tasks. Each chunk must be
+    the caller's own (``func`` may write into it).
+    """
+
+    def __init__(self, mapping: tuple, chunks: tuple, axis: tuple[int, ...], dev: Device):
+        self.func, self.kwargs = mapping
+        self.chunks, self.axis, self.dev = chunks, axis, dev
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.window = 0
+
+    def use_threads(self, threaded: bool) -> None:
+        n = workers(self.dev, threaded)
+        if n > 0:
+            self.pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpulazy-map")
+            self.window = 2 * n
+
+    def made(self, chunks: list[tuple[ChunkSpec, Any]]) -> Iterator[tuple[ChunkSpec, Any]]:
+        if self.pool is None:
+            for spec, chunk in chunks:
+                yield spec, self.block(spec, chunk)
+            return
+        ahead: collections.deque = collections.deque()
+        todo = iter(chunks)
+        try:
+            for spec, chunk in itertools.islice(todo, self.window):
+                ahead.append((spec, self.pool.submit(self.block, spec, chunk)))
+            while ahead:
+                spec, future = ahead.popleft()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    ahead.append((nxt[0], self.pool.submit(self.block, *nxt)))
+                yield spec, future.result()
+        finally:
+            for _, future in ahead:  # an error or an interrupt: no call left running on dropped chunks
+                future.cancel()
+            concurrent.futures.wait([f for _, f in ahead])
+
+    def block(self, spec: ChunkSpec, chunk: Any) -> Any:
+        """``func``'s block of ``chunk``. The reduced axes may change length (the fold counts what the
+        block holds, as dask's reduction would); the kept axes may not: the block's partial result
+        goes to the part of the result its declared block covers."""
+        block = self.func(chunk, **self.kwargs)
+        xp = self.dev.xp
+        declared = tuple(c[i] for c, i in zip(self.chunks, spec.index))  # (its ``chunks=``, or the chunk's)
+        if not isinstance(block, xp.ndarray) or block.ndim != chunk.ndim or any(
+                block.shape[a] != declared[a] for a in range(chunk.ndim) if a not in self.axis):
+            name = getattr(self.func, "__name__", repr(self.func))
+            got = f"a {type(block).__module__}.{type(block).__name__} of shape {getattr(block, 'shape', ())}"
+            raise ValueError(f"map_blocks({name}) gave {got} for block {spec.index} (shape {declared}) of "
+                             f"{spec.paths[0] if spec.paths else '?'!r}; a reduction over axis {self.axis} of "
+                             f"the map needs {xp.__name__} blocks with the other axes as declared "
+                             f"(give map_blocks the chunks= its blocks have)")
+        return block
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None

@@ -30,6 +30,7 @@ import numpy as np
 
 from gpulazy.device import Device, get_device, own_stream
 from gpulazy.read import whole
+from gpulazy.read.mapped import MapBlocks
 from gpulazy.read.whole import groups_by_bytes, held_bytes, inflight_room
 from gpulazy.spec import ChunkSpec
 
@@ -91,6 +92,7 @@ class ReduceStream:
         self.groups, self.source, self.chunks, self.axis = groups, source, chunks, axis
         self.mapping = mapping  # (func, kwargs): a streamed map's function, called on each chunk first
         self.dev = get_device(source.device)
+        self.blocks = None if mapping is None else MapBlocks(mapping, chunks, axis, self.dev)
         self.backend = source.backend_instance()
         self.cache = source.cache_instance()
         # A reduction over more bytes than its cache holds offers it nothing it reads: each chunk
@@ -135,13 +137,18 @@ class ReduceStream:
     def _fold_cached(self, group: list[ChunkSpec]) -> list[ChunkSpec]:
         """Fold the chunks of ``group`` the cache holds, where they lie (no copy); the others."""
         from gpulazy.device import gpulazy_stream
-        from gpulazy.integrity import check_unchanged
+        from gpulazy.integrity import check_all_unchanged, check_unchanged
+
+        if self.blocks is not None:  # the map's function gets copies, as it would from dask
+            copies = self.cache.get_cached(group)
+            hits = [(spec, arr) for spec, arr in zip(group, copies) if arr is not None]
+            check_all_unchanged([spec for spec, _ in hits])
+            self._fold_mapped(hits, offer=False)
+            return [spec for spec, arr in zip(group, copies) if arr is None]
 
         def fold(spec: ChunkSpec, chunk: Any) -> None:
             check_unchanged(spec)  # a cached chunk of a file changed since indexing is never used
             with own_stream(self.dev, wait=False):
-                if self.mapping is not None:  # the map's function gets a chunk of its own, as from dask
-                    chunk = self._mapped(spec, chunk.copy())
                 self.acc.fold(spec, chunk)
 
         def wait() -> None:  # the folds are done before the entries may be evicted
@@ -190,8 +197,8 @@ class ReduceStream:
         except BaseException:
             self._settle()
             raise
-        if self.mapping is not None:
-            self._fold_mapped(misses, arrays)
+        if self.blocks is not None:
+            self._fold_mapped(list(zip(misses, arrays)), offer=self.offer)
             return
         with own_stream(self.dev):  # one wait for the group's folds
             for spec, arr in zip(misses, arrays):
@@ -200,37 +207,20 @@ class ReduceStream:
             for spec, arr in zip(misses, arrays):
                 self.cache.get(spec, lambda s, a=arr: a)  # kept (one copy) when there is room
 
-    def _fold_mapped(self, misses: list[ChunkSpec], arrays: list) -> None:
-        """Fold the map of each chunk read: offered to the cache first (the map's function may write
-        into its input; the cache keeps the chunk and hands out a copy)."""
+    def _fold_mapped(self, chunks: list[tuple[ChunkSpec, Any]], offer: bool) -> None:
+        """Fold the map's block of each chunk, in block order. Chunks read are offered to the cache
+        first (the map's function may write into its input; the cache keeps the chunk and hands out a
+        copy)."""
+        if offer:
+            chunks = [(spec, self.cache.get(spec, lambda s, a=arr: a)) for spec, arr in chunks]
         with own_stream(self.dev):  # one wait for the group's calls and folds
-            for spec, arr in zip(misses, arrays):
-                if self.offer:
-                    arr = self.cache.get(spec, lambda s, a=arr: a)
-                self.acc.fold(spec, self._mapped(spec, arr))
+            for spec, block in self.blocks.made(chunks):
+                self.acc.fold(spec, block)
 
-    def _mapped(self, spec: ChunkSpec, chunk: Any) -> Any:
-        """The map's block of ``chunk``, checked against what the fold needs of it.
-
-        The reduced axes may change length (the fold counts what the block holds, as dask's
-        reduction would); the kept axes may not: the block's partial result goes to the part of
-        the result its chunk covers, and dask's result would have another shape than it declares.
-        """
-        func, kwargs = self.mapping
-        block = func(chunk, **kwargs)
-        xp = self.dev.xp
-        # (the map's declared block: its ``chunks=``, or the chunk's own shape)
-        declared = tuple(c[i] for c, i in zip(self.chunks, spec.index))
-        if not isinstance(block, xp.ndarray) or block.ndim != chunk.ndim or any(
-                block.shape[a] != declared[a] for a in range(chunk.ndim) if a not in self.axis):
-            name = getattr(func, "__name__", repr(func))
-            got = f"a {type(block).__module__}.{type(block).__name__} of shape {getattr(block, 'shape', ())}"
-            raise ValueError(f"map_blocks({name}) gave {got} for block {spec.index} (shape {declared}) of "
-                             f"{spec.paths[0] if spec.paths else '?'!r}; a reduction over axis {self.axis} of "
-                             f"the map needs {xp.__name__} blocks with the other axes as in the chunk "
-                             f"(give map_blocks chunks= for a map that changes them)")
-        return block
-
+    def close(self) -> None:
+        """Let go of the threads the map's function ran on (a local compute's, ``run_stream``)."""
+        if self.blocks is not None:
+            self.blocks.close()
 
     def _settle(self) -> None:
         """Wait for every group in flight (a step failed: nothing may write into dropped buffers)."""
@@ -280,19 +270,25 @@ def stream_result(stream: ReduceStream, keepdims: bool) -> Any:
 
 
 def run_stream(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
-               cast: Any, keepdims: bool, mapping: tuple | None = None) -> Any:
+               cast: Any, keepdims: bool, mapping: tuple | None = None, threaded: bool = False) -> Any:
     """The whole chain (start, each step, the result) in the calling thread, as a local compute with
     no dask callback runs it: through dask (its optimising, ordering and a thread hand-off per task)
     the first read of a 2 GiB Zarr's MIP was submitted 3.2-4.2 ms after ``compute()`` on the CPU box,
     here 0.34-0.56 ms (``benchmarks/read_timeline.py --first``). An interrupt or a failure settles
-    the reads in flight before it propagates, as a failing step does."""
+    the reads in flight before it propagates, as a failing step does. ``threaded`` (dask's threaded
+    scheduler): a map's function runs on ``num_workers`` threads on ``"cpu"``, as dask's tasks would
+    (``mapped.workers``)."""
     stream = stream_start(groups, source, chunks, dtype, op, axis, ddof, cast, mapping)
+    if stream.blocks is not None:
+        stream.blocks.use_threads(threaded)
     try:
         for k in range(len(groups)):
             stream.step(k)
     except BaseException:
         stream._settle()
         raise
+    finally:
+        stream.close()
     return stream.result(keepdims)
 
 

@@ -30,6 +30,20 @@ def _volume(tmp_path, shape=(12, 6, 5), dtype="<u2", chunks=(3, 6, 5), seed=0, *
     return vol, data
 
 
+def _fails_on_call(n):
+    """A map function that raises on its ``n``-th call (``.calls`` counts them)."""
+    calls = []
+
+    def fails(b):
+        calls.append(1)
+        if len(calls) == n:
+            raise ZeroDivisionError("no good")
+        return b
+
+    fails.calls = calls
+    return fails
+
+
 def _on_dask(vol, func, **kw):
     with gpulazy.config.set(streamed_maps=False):
         return vol.map_blocks(func, **kw)
@@ -180,7 +194,8 @@ def test_a_map_computed_with_options_or_changed_runs_on_dask(tmp_path):
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
-def test_through_a_cache_func_gets_copies_and_a_second_map_reads_nothing(tmp_path, scheduler):
+@pytest.mark.parametrize("reduced", [False, True])
+def test_through_a_cache_func_gets_copies_and_a_second_map_reads_nothing(tmp_path, scheduler, reduced):
     cache = DeviceCache("1 MiB", device="cpu")
     try:
         vol, data = _volume(tmp_path, cache=cache)
@@ -191,8 +206,11 @@ def test_through_a_cache_func_gets_copies_and_a_second_map_reads_nothing(tmp_pat
 
         for turn in ("miss", "hit"):
             read_before = gpulazy.stats().snapshot()["bytes_read"]
-            got = vol.map_blocks(bump, dtype=vol.dtype).compute(scheduler=scheduler)
-            np.testing.assert_array_equal(got, data + 1, err_msg=turn)
+            mapped = vol.map_blocks(bump, dtype=vol.dtype)
+            if reduced:  # the streamed reduction of the map
+                assert mapped.sum().compute(scheduler=scheduler) == (data.astype("u8") + 1).sum(), turn
+            else:
+                np.testing.assert_array_equal(mapped.compute(scheduler=scheduler), data + 1, err_msg=turn)
         assert gpulazy.stats().snapshot()["bytes_read"] == read_before  # the second map read nothing
         s = cache.stats()
         assert s["hits"] == 4 and s["misses"] == 4 and cache.bytes_held == data.nbytes, s
@@ -276,17 +294,10 @@ def test_func_runs_on_a_chunk_as_its_own_read_lands(tmp_path, monkeypatch):
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
 def test_an_error_in_func_is_raised_once_every_read_has_settled(tmp_path, scheduler):
     vol, _ = _volume(tmp_path, shape=(40, 6, 5), chunks=(2, 6, 5))
-    called = []
-
-    def fails_on_third(b):
-        called.append(1)
-        if len(called) == 3:
-            raise ZeroDivisionError("no good")
-        return b
-
+    fails_on_third = _fails_on_call(3)
     with pytest.raises(ZeroDivisionError, match="no good"):
         vol.map_blocks(fails_on_third, dtype=vol.dtype).compute(scheduler=scheduler)
-    assert len(called) < 20  # the calls stop at the error
+    assert len(fails_on_third.calls) < 20  # the calls stop at the error
     assert not [t for t in threading.enumerate() if t.name.startswith("gpulazy-map")]  # the reads ended
 
 
@@ -431,25 +442,6 @@ def test_a_map_of_a_map_streams_and_so_does_its_reduction(tmp_path):
     np.testing.assert_array_equal(on_dask.compute(), got)
 
 
-def test_a_reduction_of_a_map_gives_its_function_copies_of_cached_chunks(tmp_path):
-    cache = DeviceCache("1 MiB", device="cpu")
-    try:
-        vol, data = _volume(tmp_path, cache=cache)
-
-        def bump(b):
-            b += 1  # into its input: must not reach the cache
-            return b
-
-        for turn in ("miss", "hit"):
-            read_before = gpulazy.stats().snapshot()["bytes_read"]
-            assert vol.map_blocks(bump).sum().compute() == (data.astype("u8") + 1).sum(), turn
-        assert gpulazy.stats().snapshot()["bytes_read"] == read_before  # the second read nothing
-        assert cache.stats()["hits"] == 4 and cache.bytes_held == data.nbytes
-        np.testing.assert_array_equal(vol.compute(), data)  # the cache still holds the file's values
-    finally:
-        cache.close()
-
-
 def test_a_reduction_of_a_map_that_changes_its_blocks(tmp_path):
     """Along the axes it reduces, a block may change length (the fold counts what the block holds, as
     dask's reduction does); along the others it may not: the error names the chunk, the file and
@@ -502,17 +494,10 @@ def test_an_error_in_a_reduced_maps_function_settles_every_read_first(tmp_path, 
         return started[-1]
 
     monkeypatch.setattr(engine, "start", recorded)
-    called = []
-
-    def fails_on_third(b):
-        called.append(1)
-        if len(called) == 3:
-            raise ZeroDivisionError("no good")
-        return b
-
+    fails_on_third = _fails_on_call(3)
     with pytest.raises(ZeroDivisionError, match="no good"):
-        vol.map_blocks(fails_on_third).max(axis=0).compute()
-    assert len(called) == 3 and len(started) > 3  # later groups were in flight
+        vol.map_blocks(fails_on_third, dtype=vol.dtype).max(axis=0).compute()
+    assert len(fails_on_third.calls) == 3 and len(started) > 3  # later groups were in flight
     assert all(reads.outcomes[i] is not engine._PENDING for reads in started for i in range(len(reads)))
 
 

@@ -150,6 +150,9 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
         "map_blocks(b * 2)": (lambda: vol.map_blocks(_twice, dtype=vol.dtype).compute(), lambda: _twice(rawv()),
                               lambda: naive.map_blocks(_twice, dtype=naive.dtype).compute(), total,
                               "planes compute()"),
+        # Elementwise with a scalar: a streamed map (``vol * 2`` is ``map_blocks(b * 2)`` for gpulazy).
+        "(vol * 2).max(axis=0)": (lambda: (vol * 2).max(axis=0).compute(), lambda: _twice(rawv()).max(axis=0),
+                                  lambda: (naive * 2).max(axis=0).compute(), total, "planes compute()"),
         # A reduction of a map: the map's function folded into the streamed reduction's chain.
         "map_blocks(b * 2).max(axis=0)": (lambda: vol.map_blocks(_twice, dtype=vol.dtype).max(axis=0).compute(),
                                           lambda: _twice(rawv()).max(axis=0),
@@ -256,7 +259,7 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
             rows_out[f"{name}, fused_reductions=False (dask's tree)"] = _ratios({
                 "gpulazy": gbps(_best(with_config(ours, fused_reductions=False), repeat, sync), nbytes)},
                 rows_out[whole], rows_out[name].get("raw"))
-        for name in ("map_blocks(b * 2)", "map_blocks(b * 2).max(axis=0)"):
+        for name in ("map_blocks(b * 2)", "map_blocks(b * 2).max(axis=0)", "(vol * 2).max(axis=0)"):
             ours, _, _, nbytes, whole = derived[name]
             rows_out[f"{name}, streamed_maps=False (dask's tasks)"] = _ratios({
                 "gpulazy": gbps(_best(with_config(ours, streamed_maps=False), repeat, sync), nbytes)},

@@ -17,6 +17,7 @@ import functools
 import gc
 import itertools
 import math
+import operator
 import os
 import sys
 import time
@@ -368,10 +369,14 @@ def _array_class() -> type:
             lands (``gpulazy.read.mapped``) when the map is one call per chunk with nothing else to know."""
             out = super().map_blocks(func, *args, **kwargs)
             given = {k: v for k, v in kwargs.items() if k not in _MAP_OPTIONS}
-            files = _files_of(self)
-            if files is None or not _streams_map(self, func, args, kwargs, given, out):
+            if _files_of(self) is None or not _streams_map(self, func, args, kwargs, given, out):
                 return out
-            specs, source, before = files
+            return self._gl_as_map(out, func, given)
+
+        def _gl_as_map(self, out: Any, func: Any, given: dict) -> Any:
+            """``out`` (dask's array of ``func(block, **given)`` for each block of ``self``) as a gpulazy
+            array whose ``compute()`` streams (``_gl_map_of``); ``self`` is the files or a streamed map."""
+            specs, source, before = _files_of(self)
             read_name = self.name
             if before is not None:  # a map of a map: one call a chunk, the functions in turn
                 func, given = _Then(before, (func, given)), {}
@@ -380,14 +385,44 @@ def _array_class() -> type:
             mapped._gl_map_of = (out.name, specs, source, out.chunks, func, given, read_name)
             return mapped
 
+        # -- elementwise operations with scalars stream as maps -----------------------------------
+
+        def _gl_elementwise(self, out: Any, op: Any, args: tuple, kwargs: dict) -> Any:
+            """``out``, dask's ``op(*args, **kwargs)`` a block at a time, streamed when it is ``op`` of this
+            array's blocks and scalars alone (``vol * 2``, ``np.sqrt(vol)``, ``2 - vol``): values, dtype
+            and name are dask's own, each block ``op`` called as dask's task would call it."""
+            if (out is NotImplemented or kwargs or not config.get("streamed_maps") or _files_of(self) is None
+                    or not all(a is self or _scalar(a) for a in args)
+                    or getattr(out, "numblocks", None) != self.numblocks):
+                return out
+            return self._gl_as_map(out, _Elementwise(op, tuple(_BLOCK if a is self else a for a in args)), {})
+
+        @property
+        def _elemwise(self) -> Any:
+            # What dask's ufunc wrappers call (``da.sqrt(vol)``: ``vol._elemwise(np.sqrt, vol)``).
+            from dask.array.core import elemwise
+
+            def streamed(op: Any, *args: Any, **kwargs: Any) -> Any:
+                return self._gl_elementwise(elemwise(op, *args, **kwargs), op, args, kwargs)
+
+            return streamed
+
+        def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+            out = super().__array_ufunc__(ufunc, method, *inputs, **kwargs)
+            if method != "__call__" or ufunc.nout != 1 or ufunc.signature is not None or ufunc is np.matmul:
+                return out
+            return self._gl_elementwise(out, ufunc, inputs, kwargs)
+
         # -- reductions that run as the reads land (gpulazy.read.reduce) ----------------------
 
         def astype(self, dtype: Any, **kwargs: Any) -> Any:
-            """``dask.array.Array.astype``; a reduction of the result still runs as the reads land."""
+            """``dask.array.Array.astype``; its ``compute()`` and a reduction of it still run as the reads land."""
             if kwargs or _files_of(self) is None or np.dtype(dtype) == self.dtype:
                 return super().astype(dtype, **kwargs)
             cast = _cast(self, np.dtype(dtype))
-            cast._gl_cast_of = (self, cast.dtype)
+            if config.get("streamed_maps"):
+                cast = self._gl_as_map(cast, _Elementwise(operator.methodcaller("astype", cast.dtype), (_BLOCK,)), {})
+            cast._gl_cast_of = (self, cast.dtype)  # a reduction casts as it folds (``gpulazy.read.reduce``)
             return cast
 
         def max(self, axis=None, keepdims=False, split_every=None, out=None):
@@ -424,6 +459,8 @@ def _array_class() -> type:
                 return False
             return _local_compute(kwargs)
 
+    for name, (op, reflected) in _OPERATORS.items():
+        setattr(GpulazyArray, name, _streamed_operator(name, op, reflected))
     GpulazyArray.__module__ = __name__
     GpulazyArray.__qualname__ = "GpulazyArray"
     return GpulazyArray
@@ -454,6 +491,66 @@ def _files_of(arr: Any) -> tuple[dict, ChunkSource, tuple | None] | None:
     if mapped is not None and mapped[0] == arr.name:
         return mapped[1], mapped[2], (mapped[4], mapped[5])
     return None
+
+
+class _BlockMark:
+    """Where an elementwise operation's block goes among its arguments (``_Elementwise``)."""
+
+    def __repr__(self) -> str:
+        return "<block>"
+
+    def __reduce__(self):
+        return "_BLOCK"  # one mark in every process
+
+
+_BLOCK = _BlockMark()
+
+
+class _Elementwise:
+    """``op(*args)`` with each ``_BLOCK`` the block: what dask's elementwise task of a block and
+    scalars calls."""
+
+    def __init__(self, op: Any, args: tuple):
+        self.op, self.args = op, args
+        self.__name__ = getattr(op, "__name__", "elementwise")
+
+    def __call__(self, block: Any) -> Any:
+        return self.op(*(block if a is _BLOCK else a for a in self.args))
+
+
+def _scalar(value: Any) -> bool:
+    """A value dask hands to every block's task as it is: a number or a 0-d NumPy array."""
+    return isinstance(value, (bool, int, float, complex, np.generic)) or (
+        isinstance(value, np.ndarray) and value.ndim == 0)
+
+
+#: dask's operators of an array (name -> (the operation, whether ``self`` is its second operand)).
+_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+           "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "and": operator.and_,
+           "or": operator.or_, "xor": operator.xor, "lshift": operator.lshift, "rshift": operator.rshift}
+_OPERATORS: dict[str, tuple[Any, bool]] = {
+    **{f"__{n}__": (op, False) for n, op in _BINARY.items()},
+    **{f"__r{n}__": (op, True) for n, op in _BINARY.items()},
+    **{f"__{n}__": (getattr(operator, n), False) for n in ("eq", "ne", "lt", "le", "gt", "ge")},
+    **{f"__{n}__": (getattr(operator, n), False) for n in ("neg", "pos", "abs", "invert")},
+}
+
+
+def _streamed_operator(name: str, op: Any, reflected: bool) -> Any:
+    """``GpulazyArray.<name>``: dask's operator, streamed when its other operand is a scalar."""
+    import dask.array as da
+
+    base = getattr(da.Array, name)
+    if name in ("__neg__", "__pos__", "__abs__", "__invert__"):
+        def unary(self: Any) -> Any:
+            return self._gl_elementwise(base(self), op, (self,), {})
+        unary.__name__ = name
+        return unary
+
+    def binary(self: Any, other: Any) -> Any:
+        return self._gl_elementwise(base(self, other), op, (other, self) if reflected else (self, other), {})
+    binary.__name__ = name
+    return binary
 
 
 class _Then:

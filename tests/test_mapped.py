@@ -12,7 +12,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.callbacks import Callback
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import gpulazy
@@ -344,6 +344,10 @@ def test_a_map_on_a_gpu_gives_cupy_values_as_dask_does(tmp_path, scheduler):
     assert len(where) == 1 and next(iter(where))[0] == threading.current_thread().name
     assert next(iter(where))[1] not in (0, cp.cuda.get_current_stream().ptr)
     np.testing.assert_allclose(to_host(got), np.sqrt(data.astype("f4")), rtol=1e-6)
+    scaled = np.sqrt(vol * 2)  # elementwise with scalars: a streamed map too
+    np.testing.assert_allclose(to_host(scaled.compute(scheduler=scheduler)), np.sqrt(data * 2), rtol=1e-6)
+    assert scaled.compute_path == "fast"
+    np.testing.assert_array_equal(to_host((vol - 1).max(axis=0).compute()), (data - 1).max(axis=0))
     shrunk = vol.map_blocks(lambda b: b[:1].copy(), dtype=vol.dtype).compute(scheduler=scheduler)
     np.testing.assert_array_equal(to_host(shrunk), data[::4])
     cache = DeviceCache("64 MiB", device="cuda:0")
@@ -547,3 +551,105 @@ def test_blocks_that_tile_another_grid_are_joined_an_axis_at_a_time_and_mixed_dt
     got = mixed.compute(scheduler=scheduler)
     assert concatenated and got.dtype == np.float64
     np.testing.assert_array_equal(got, data[::3])
+
+
+# -- elementwise operations with scalars: streamed maps ----------------------------------------------
+
+import operator  # noqa: E402
+
+_BINARY_OPS = ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor", "lshift", "rshift",
+               "eq", "ne", "lt", "le", "gt", "ge"]
+_UFUNCS = [np.sqrt, np.abs, np.negative, np.exp, np.log1p, np.invert, np.isnan]
+
+
+@st.composite
+def elementwise(draw):
+    kind = draw(st.sampled_from(["binary", "reflected", "unary", "ufunc", "da-ufunc", "ufunc-scalar"]))
+    scalar = draw(st.one_of(st.integers(1, 5), st.floats(0.5, 4.0), st.sampled_from(
+        [np.float32(1.5), np.uint8(3), np.int16(2), np.array(2.0), True])))
+    if kind in ("binary", "reflected"):
+        op = getattr(operator, draw(st.sampled_from(_BINARY_OPS)))
+        return (lambda a, op=op, s=scalar: op(s, a)) if kind == "reflected" else (lambda a, op=op, s=scalar: op(a, s))
+    if kind == "unary":
+        op = draw(st.sampled_from([operator.neg, operator.pos, abs, operator.invert]))
+        return lambda a, op=op: op(a)
+    ufunc = draw(st.sampled_from(_UFUNCS))
+    if kind == "da-ufunc":
+        return lambda a, u=ufunc: getattr(da, u.__name__)(a) if isinstance(a, da.Array) else u(a)
+    if kind == "ufunc-scalar":
+        return lambda a, s=scalar: np.maximum(a, s)
+    return lambda a, u=ufunc: u(a)
+
+
+def _outcome(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # what dask raises, gpulazy must raise too
+        return None, type(e)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(op=elementwise(), dtype=st.sampled_from(["<u2", ">i4", "<f4", "u1"]), data=st.data())
+def test_an_elementwise_op_with_scalars_streams_and_equals_dask(tmp_path_factory, op, dtype, data):
+    import warnings
+
+    shape = data.draw(st.tuples(st.integers(1, 7), st.integers(1, 5), st.integers(1, 4)))
+    chunks = tuple(data.draw(st.integers(1, n)) for n in shape)
+    vol, values = _volume(tmp_path_factory.mktemp("e"), shape=shape, dtype=dtype, chunks=chunks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (overflow, invalid values: the same on both ways)
+        with gpulazy.config.set(streamed_maps=False):
+            want, raised = _outcome(lambda: op(vol).compute())
+        ours, ours_raised = _outcome(lambda: op(vol))
+        if ours_raised is not None or raised is not None and ours is None:
+            assert ours_raised == raised  # dask refused it when building the graph: so does gpulazy
+            event("refused when built")
+            return
+        assert getattr(ours, "_gl_map_of", None) is not None  # a streamed map
+        got, got_raised = _outcome(ours.compute)
+        assert got_raised == raised
+        event("raised when computed" if raised is not None else "streamed")
+        if raised is not None:
+            return
+        assert ours.compute_path == "fast" and got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        if got.dtype != bool and got.dtype.kind != "c":
+            mip = ours.max(axis=0)
+            assert "streamed" in mip.name
+            np.testing.assert_array_equal(mip.compute(), want.max(axis=0))
+
+
+def test_chains_of_casts_and_ops_stream_and_what_needs_more_than_the_block_does_not(tmp_path):
+    vol, data = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5))
+    scaled = (vol.astype("f4") * 0.5 + 1) ** 2
+    assert scaled._gl_map_of is not None
+    want = (data.astype("f4") * 0.5 + 1) ** 2
+    np.testing.assert_array_equal(scaled.compute(), want)
+    assert scaled.compute_path == "fast"
+    np.testing.assert_allclose(scaled.mean(axis=(1, 2)).compute(), want.mean(axis=(1, 2)), rtol=1e-6)
+    np.testing.assert_array_equal((vol + vol).compute(), data + data)  # the same array twice: one block
+    other, _ = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=1)
+    changed = vol.copy()
+    changed[0, 0, 0] = 1
+    not_streamed = {
+        "two files' arrays": vol + other,
+        "an array operand": vol + np.ones((10,), "u2"),
+        "a ufunc keyword": np.add(vol, 1, dtype="f8"),
+        "a changed array": changed * 2,
+    }
+    for what, arr in not_streamed.items():
+        assert getattr(arr, "_gl_map_of", None) is None, what
+    with gpulazy.config.set(streamed_maps=False):
+        assert getattr(vol * 2, "_gl_map_of", None) is None
+    np.testing.assert_array_equal(np.add(vol, 1, dtype="f8").compute(), data + 1.0)
+
+
+def test_an_elementwise_maps_function_survives_pickling(tmp_path):
+    import pickle
+
+    import cloudpickle
+
+    vol, data = _volume(tmp_path)
+    func = ((vol - 3) * np.float32(0.5))._gl_map_of[4]
+    again = pickle.loads(cloudpickle.dumps(func))
+    np.testing.assert_array_equal(again(data[:3]), (data[:3] - 3) * np.float32(0.5))

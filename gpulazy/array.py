@@ -389,13 +389,16 @@ def _array_class() -> type:
 
         def _gl_elementwise(self, out: Any, op: Any, args: tuple, kwargs: dict) -> Any:
             """``out``, dask's ``op(*args, **kwargs)`` a block at a time, streamed when it is ``op`` of this
-            array's blocks and scalars alone (``vol * 2``, ``np.sqrt(vol)``, ``2 - vol``): values, dtype
-            and name are dask's own, each block ``op`` called as dask's task would call it."""
+            array's blocks, scalars and arrays in memory that broadcast to a part of it (``vol * 2``,
+            ``np.sqrt(vol)``, ``(vol - dark) / gain`` with ``dark`` a plane): values, dtype and name are
+            dask's own, each block's ``op`` called with what dask's task for it gets (an array's part
+            of that block)."""
             if (out is NotImplemented or kwargs or not config.get("streamed_maps") or _files_of(self) is None
-                    or not all(a is self or _scalar(a) for a in args)
-                    or getattr(out, "numblocks", None) != self.numblocks):
+                    or getattr(out, "numblocks", None) != self.numblocks or out.shape != self.shape
+                    or not all(a is self or _scalar(a) or _in_memory(a, self.shape) for a in args)):
                 return out
-            return self._gl_as_map(out, _Elementwise(op, tuple(_BLOCK if a is self else a for a in args)), {})
+            marked = tuple(_BLOCK if a is self else a if _scalar(a) else _Part(a) for a in args)
+            return self._gl_as_map(out, _Elementwise(op, marked, self.chunks), {})
 
         @property
         def _elemwise(self) -> Any:
@@ -421,7 +424,7 @@ def _array_class() -> type:
                 return super().astype(dtype, **kwargs)
             cast = _cast(self, np.dtype(dtype))
             if config.get("streamed_maps"):
-                cast = self._gl_as_map(cast, _Elementwise(operator.methodcaller("astype", cast.dtype), (_BLOCK,)), {})
+                cast = self._gl_as_map(cast, _Elementwise(operator.methodcaller("astype", cast.dtype), (_BLOCK,), self.chunks), {})
             cast._gl_cast_of = (self, cast.dtype)  # a reduction casts as it folds (``gpulazy.read.reduce``)
             return cast
 
@@ -506,16 +509,44 @@ class _BlockMark:
 _BLOCK = _BlockMark()
 
 
-class _Elementwise:
-    """``op(*args)`` with each ``_BLOCK`` the block: what dask's elementwise task of a block and
-    scalars calls."""
+class _Part:
+    """An array in memory among an elementwise operation's operands: each block gets the part of it
+    that broadcasts to that block, as dask's task for the block does."""
 
-    def __init__(self, op: Any, args: tuple):
+    def __init__(self, array: Any):
+        self.array = array
+
+    def of(self, edges: list, index: tuple[int, ...]) -> Any:
+        lead = len(edges) - self.array.ndim  # (it broadcasts from the trailing axes)
+        return self.array[tuple(slice(None) if n == 1 else slice(edges[lead + j][index[lead + j]],
+                                                                 edges[lead + j][index[lead + j] + 1])
+                                for j, n in enumerate(self.array.shape))]
+
+
+class _Elementwise:
+    """``op(*args)`` with each ``_BLOCK`` the block and each ``_Part`` its part of the block: what
+    dask's elementwise task of the block calls. Called with the block's ``index`` (``takes_index``)."""
+
+    takes_index = True
+
+    def __init__(self, op: Any, args: tuple, chunks: tuple):
         self.op, self.args = op, args
+        self.edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
         self.__name__ = getattr(op, "__name__", "elementwise")
 
-    def __call__(self, block: Any) -> Any:
-        return self.op(*(block if a is _BLOCK else a for a in self.args))
+    def __call__(self, block: Any, index: tuple[int, ...]) -> Any:
+        return self.op(*(block if a is _BLOCK else a.of(self.edges, index) if isinstance(a, _Part) else a
+                         for a in self.args))
+
+
+def _in_memory(value: Any, shape: tuple[int, ...]) -> bool:
+    """An array in host or device memory (NumPy, CuPy) that broadcasts to ``shape`` without growing it."""
+    if isinstance(value, np.ndarray):
+        pass
+    elif not (type(value).__module__.startswith("cupy") and hasattr(value, "__cuda_array_interface__")):
+        return False
+    return 0 < value.ndim <= len(shape) and all(
+        n in (1, m) for n, m in zip(value.shape, shape[len(shape) - value.ndim:]))
 
 
 def _scalar(value: Any) -> bool:
@@ -554,15 +585,19 @@ def _streamed_operator(name: str, op: Any, reflected: bool) -> Any:
 
 
 class _Then:
-    """A map's function after another's (``vol.map_blocks(f).map_blocks(g)``): ``g(f(chunk, **fkw), **gkw)``."""
+    """A map's function after another's (``vol.map_blocks(f).map_blocks(g)``): ``g(f(chunk, **fkw), **gkw)``;
+    each of gpulazy's own that ``takes_index`` gets the block's ``index``."""
+
+    takes_index = True
 
     def __init__(self, first: tuple, then: tuple):
         self.first, self.then = first, then
         self.__name__ = f"{getattr(then[0], '__name__', 'func')}-of-{getattr(first[0], '__name__', 'func')}"
 
-    def __call__(self, chunk: Any) -> Any:
+    def __call__(self, chunk: Any, index: tuple[int, ...]) -> Any:
         (f, fkw), (g, gkw) = self.first, self.then
-        return g(f(chunk, **fkw), **gkw)
+        inner = f(chunk, index=index, **fkw) if getattr(f, "takes_index", False) else f(chunk, **fkw)
+        return g(inner, index=index, **gkw) if getattr(g, "takes_index", False) else g(inner, **gkw)
 
 
 def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:

@@ -138,6 +138,15 @@ def _hits(specs: list[ChunkSpec], source: Any, cache: Any) -> Iterator[tuple[Chu
             yield spec, arr if arr is not None else cache.get(spec, source.read)
 
 
+def _caller(func: Callable, kwargs: dict) -> Callable[[Any, tuple[int, ...]], Any]:
+    """``call(chunk, index)``: ``func(chunk, **kwargs)``, given the block's ``index`` too when it is one
+    of gpulazy's own functions that needs it (``takes_index``: an elementwise operation with an array
+    in memory takes that block's part of it)."""
+    if getattr(func, "takes_index", False):
+        return lambda chunk, index: func(chunk, index=index, **kwargs)
+    return lambda chunk, index: func(chunk, **kwargs)
+
+
 class _Result:
     """The mapped array: blocks copied into one array as they come, or kept when one does not fit."""
 
@@ -219,6 +228,7 @@ class _Calls:
 
     def __init__(self, func: Callable, kwargs: dict, result: _Result, workers: int, dev: Device, hooks: Any = None):
         self.func, self.kwargs, self.result, self.dev, self.hooks = func, kwargs, result, dev, hooks
+        self.call = _caller(func, kwargs)
         self.stream = _MapStream(dev) if dev.is_gpu else None
         self.pool = None
         self.errors: list[BaseException] = []
@@ -244,11 +254,11 @@ class _Calls:
         if self.hooks is not None:
             self.hooks.calling(spec.index)
         if self.stream is None:
-            block = self.func(chunk, **self.kwargs)
+            block = self.call(chunk, spec.index)
             self.result.put(spec.index, block)
         else:
             with self.stream.stream:
-                block = self.func(chunk, **self.kwargs)
+                block = self.call(chunk, spec.index)
                 self.result.put(spec.index, block)
             self.stream.keep(chunk)
         if self.hooks is not None:
@@ -335,6 +345,7 @@ class MapBlocks:
 
     def __init__(self, mapping: tuple, chunks: tuple, axis: tuple[int, ...], dev: Device):
         self.func, self.kwargs = mapping
+        self.call = _caller(self.func, self.kwargs)
         self.chunks, self.axis, self.dev = chunks, axis, dev
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.window = 0
@@ -370,7 +381,7 @@ class MapBlocks:
         """``func``'s block of ``chunk``. The reduced axes may change length (the fold counts what the
         block holds, as dask's reduction would); the kept axes may not: the block's partial result
         goes to the part of the result its declared block covers."""
-        block = self.func(chunk, **self.kwargs)
+        block = self.call(chunk, spec.index)
         xp = self.dev.xp
         declared = tuple(c[i] for c, i in zip(self.chunks, spec.index))  # (its ``chunks=``, or the chunk's)
         if not isinstance(block, xp.ndarray) or block.ndim != chunk.ndim or any(

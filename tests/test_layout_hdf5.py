@@ -572,3 +572,29 @@ class TestHdf5Conformance(LayoutConformance):
 class TestGzipHdf5Conformance(TestHdf5Conformance):
     def make(self, tmp_path, array, **kw):
         return super().make(tmp_path, array, compression="gzip", shuffle=True, **kw)
+
+
+@pytest.mark.parametrize("chunk, copy", [((1, 31, 28), -1), ((1, 20, 24), -1), ((2, 39, 44), -1)])
+def test_a_chunk_index_key_hdf5s_lookup_misses_is_a_layout_error(tmp_path, chunk, copy):
+    """A chunk key of the index changed (here its first coordinate 1 -> 0, in the leaf: the key's last
+    copy in the file) lists the chunk where h5py's reads find none and read the fill value; gpulazy
+    read the chunk's bytes there (found by fuzzing). Every listed chunk is looked up at open."""
+    import struct
+
+    path = tmp_path / "a.h5"
+    shape = (3, 40, 48)
+    data = (np.arange(np.prod(shape)) % 200 + 1).astype("<f4").reshape(shape)
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("data", shape=shape, dtype="<f4", chunks=(1, 1, 4), fillvalue=0)
+        ds[1:, 20:, 24:] = data[1:, 20:, 24:]  # some chunks never allocated
+    blob = bytearray(path.read_bytes())
+    key = struct.pack("<4Q", *chunk, 0)  # a v1 B-tree chunk key's coordinates (and the element axis)
+    where = [i for i in range(len(blob) - len(key)) if blob.startswith(key, i)]
+    assert where, "another HDF5 version laid the index out otherwise"
+    struct.pack_into("<Q", blob, where[copy], 0)
+    path.write_bytes(bytes(blob))
+    with h5py.File(path, "r") as f:
+        assert (f["data"][0] == 0).all()  # h5py: position 0 was never written, and still reads as fill
+    with pytest.raises(LayoutError) as info:
+        gpulazy.from_files(str(path), dataset="/data", device="cpu", cache=False)
+    assert str(path) in str(info.value) and "HDF5's own lookup does not find" in str(info.value)

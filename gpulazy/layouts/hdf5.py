@@ -396,7 +396,33 @@ def _chunk_table(d: Any, where: str, shape: tuple[int, ...], chunks: tuple[int, 
     out = dict(zip(keys, map(tuple, table[:, ndim:].tolist())))
     if len(out) != len(keys):
         raise LayoutError(f"the chunk index of {where} lists a chunk twice; the file is corrupt")
+    _check_found(d, where, start)
     return out
+
+
+def _check_found(d: Any, where: str, start: np.ndarray) -> None:
+    """Refuse a chunk the index lists that HDF5's own reads cannot find.
+
+    ``chunk_iter`` walks every leaf of the chunk index; ``H5Dread`` (h5py's reads) finds a chunk by
+    looking its coordinates up from the root. A damaged key (found by fuzzing: in a leaf, or inside
+    the index) leaves a chunk listed that the lookup misses, so h5py reads the fill value there
+    while gpulazy would read the chunk's bytes: the data as written, or data from another place.
+    Each listed chunk is looked up as the reads look it up (``read_direct_chunk``, whose storage-size
+    lookup is ``H5Dread``'s) with a one-byte buffer: a chunk found is too big for it and nothing is
+    read. About 4 us a chunk (8,000 chunks: 35 ms, beside 9 ms of ``chunk_iter``).
+    """
+    probe = np.empty(1, np.uint8)
+    lookup = d.id.read_direct_chunk
+    for row in start.tolist():
+        at = tuple(row)
+        try:
+            lookup(at, out=probe)
+        except ValueError:  # found: "out buffer is only 1 bytes, N bytes required"
+            continue
+        except Exception as e:
+            raise LayoutError(f"the chunk index of {where} lists a chunk at {at} that HDF5's own lookup does not "
+                              f"find there ({e}); h5py reads the fill value where gpulazy would read that chunk's "
+                              "bytes: the index is damaged, the file is corrupt") from None
 
 
 def _check_chunk_sizes(ds: Hdf5Dataset, table: dict, where: str) -> None:

@@ -52,8 +52,8 @@ CAUSES = {
     "G": "Zarr's crc32c codec is checked only with verify=True: a corrupt chunk reads as data",
     "H": "HDF5 with a damaged chunk B-tree: the HDF5 library's own calls disagree (seed 37: H5Dchunk_iter and "
          "H5Dget_chunk_info_by_coord find an edge chunk at its offset, which gpulazy reads; the storage-size "
-         "lookup h5py's reads use finds none, so h5py gives the fill value); only a read of every chunk through "
-         "h5py at open would notice",
+         "lookup h5py's reads use finds none, so h5py gives the fill value); fixed: every listed chunk is looked "
+         "up as the reads look it up when the file is opened (hdf5._check_found)",
 }
 
 # The reproducer seeds of every cause found on 2f3a4d7 (the CI seeds that failed and one per
@@ -74,14 +74,14 @@ REGRESSIONS: dict[tuple[str, int], str] = {
     ("zarr3", 29): "A",
     ("zarr3", 48): "D",
     ("hdf5", 22): "C",
+    ("hdf5", 37): "H",
+    ("hdf5", 10007): "H",  # a key inside the index damaged: every listed chunk in order, one not found
 }
 
 # ONE table of the seeds known to fail now, each run in CI as a non-strict xfail. Remove an
 # entry once its fix is merged (it then XPASSes); ``python -m tests.fuzz.report known LOG``
 # prints the table for a log.
-KNOWN_FAILURES: dict[tuple[str, int], str] = {
-    ("hdf5", 37): "H",
-}
+KNOWN_FAILURES: dict[tuple[str, int], str] = {}
 
 
 # -- which seeds ------------------------------------------------------------------------

@@ -348,6 +348,12 @@ def test_a_map_on_a_gpu_gives_cupy_values_as_dask_does(tmp_path, scheduler):
     np.testing.assert_allclose(to_host(scaled.compute(scheduler=scheduler)), np.sqrt(data * 2), rtol=1e-6)
     assert scaled.compute_path == "fast"
     np.testing.assert_array_equal(to_host((vol - 1).max(axis=0).compute()), (data - 1).max(axis=0))
+    dark = np.random.default_rng(5).integers(0, 50, (64, 64)).astype("u2")
+    gain = np.linspace(0.5, 1.5, 64).astype("f4")
+    flat = (vol - cp.asarray(dark)) / cp.asarray(gain)  # CuPy arrays in memory: each block its part
+    assert flat._gl_map_of is not None
+    np.testing.assert_allclose(to_host(flat.compute(scheduler=scheduler)), (data - dark) / gain, rtol=1e-6)
+    np.testing.assert_allclose(to_host(flat.mean(axis=0).compute()), ((data - dark) / gain).mean(axis=0), rtol=1e-5)
     shrunk = vol.map_blocks(lambda b: b[:1].copy(), dtype=vol.dtype).compute(scheduler=scheduler)
     np.testing.assert_array_equal(to_host(shrunk), data[::4])
     cache = DeviceCache("64 MiB", device="cuda:0")

@@ -610,6 +610,13 @@ def _damaged(tmp_path, damage):
         tifffile.imwrite(path, data, photometric="minisblack", rowsperstrip=7)
         _patch_tags(path, [(p, 277) for p in range(3)], _retag(266, 2))
         _patch_tags(path, [(1, "StripOffsets")], lambda *a: _move_strip(*a, piece=2, shift=1))
+    elif damage == "ImageJ page moved":  # one strip a page: tifffile reads the hyperstack as one run
+        tifffile.imwrite(path, _random((2, 1, 2, 33, 17), "float32", 3), imagej=True)
+        with tifffile.TiffFile(path) as tif:  # (a single offset is stored in its tag's own value field)
+            tag, order, offset = tif.pages[2].tags["StripOffsets"], tif.byteorder, tif.pages[2].dataoffsets[0]
+        blob = bytearray(path.read_bytes())
+        struct.pack_into(order + "I", blob, tag.valueoffset, offset - 256)
+        path.write_bytes(bytes(blob))
     elif damage == "predictor on uncompressed pages":  # legal, but tifffile undoes it across rows
         tifffile.imwrite(path, data[0], photometric="minisblack", rowsperstrip=7)
         _patch_tags(path, [(0, 277)], _retag(317, 2))
@@ -622,7 +629,7 @@ def _damaged(tmp_path, damage):
     return path
 
 
-@pytest.mark.parametrize("damage", ["strip moved 1", "strip moved 144", "OME strips swapped",
+@pytest.mark.parametrize("damage", ["strip moved 1", "strip moved 144", "OME strips swapped", "ImageJ page moved",
                                     "FillOrder 2, strip moved", "predictor on uncompressed pages", "TileWidth 0"])
 def test_headers_gpulazy_and_tifffile_would_read_differently_are_layout_errors(tmp_path, damage):
     """Each of these read without an error before, and its values differed from tifffile's (found by
@@ -632,8 +639,9 @@ def test_headers_gpulazy_and_tifffile_would_read_differently_are_layout_errors(t
         _open(str(path))
     said = str(info.value)
     assert str(path) in said
-    if "strip" in damage:
-        assert "page 1 piece" in said and "one run" in said and "corrupt" in said
+    if "strip" in damage or "page moved" in damage:
+        assert "page 1 piece" in said or "page 2 piece" in said
+        assert "one run" in said and "corrupt" in said
     else:
         assert ("predictor 2" in said) if "predictor" in damage else ("TileWidth 0" in said)
 

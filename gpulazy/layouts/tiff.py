@@ -325,9 +325,34 @@ def _level(path: str, identity: FileIdentity, s: Any, meta: dict) -> _Found:
     offsets, counts = _pieces(s, kf, npages, geometry.nsegments, path, truncated)
     _check_pieces(path, identity.size, offsets, counts, geometry, dtype, codec)
     if not truncated:
+        if codec is None:
+            _check_one_run(path, s, offsets, counts, math.prod(geometry.page_shape) * dtype.itemsize)
         _check_page_runs(path, kf, offsets, geometry, dtype)
     return _Found(path, identity, shape, s.axes, dtype, geometry, offsets, counts, codec,
                   kf.nodata if kf.nodata is not None else 0, codec_name, dict(meta), inserted)
+
+
+def _check_one_run(path: str, s: Any, offsets: np.ndarray, counts: np.ndarray, page_nbytes: int) -> None:
+    """Refuse a series tifffile reads as one run whose IFDs place a piece elsewhere.
+
+    tifffile reads an uncompressed series it finds stored as one run (``series.dataoffset``; for an
+    ImageJ or shaped series of one strip a page, from what the first pages say) from that offset,
+    whatever the later pages' IFDs say; gpulazy reads each piece where its IFD says. On an intact
+    file the two are the same bytes. On one with a damaged offset they are not (found by fuzzing:
+    an ImageJ page's strip offset moved), and either reading would be wrong data without an error.
+    ``_check_page_runs`` is the same rule a page at a time.
+    """
+    start = getattr(s, "dataoffset", None)
+    if start is None or not offsets.size:
+        return
+    within = np.concatenate([np.zeros((len(counts), 1), np.int64), np.cumsum(counts[:, :-1], axis=1)], axis=1)
+    want = start + page_nbytes * np.arange(len(offsets), dtype=np.int64)[:, None] + within
+    wrong = np.argwhere(offsets != want)
+    if wrong.size:
+        page, piece = (int(i) for i in wrong[0])
+        raise LayoutError(f"TIFF {path!r}: page {page} piece {piece} starts at byte {int(offsets[page, piece])} by its "
+                          f"IFD, but the series is stored as one run from byte {start}, where that piece is at byte "
+                          f"{int(want[page, piece])} (tifffile reads it there); an offset is damaged: the file is corrupt")
 
 
 def _check_page_runs(path: str, kf: Any, offsets: np.ndarray, g: _Geometry, dtype: np.dtype) -> None:

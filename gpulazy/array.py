@@ -385,7 +385,7 @@ def _array_class() -> type:
             mapped._gl_map_of = (out.name, specs, source, out.chunks, func, given, read_name)
             return mapped
 
-        # -- elementwise operations with scalars stream as maps -----------------------------------
+        # -- elementwise operations with scalars and arrays in memory stream as maps -------------
 
         def _gl_elementwise(self, out: Any, op: Any, args: tuple, kwargs: dict) -> Any:
             """``out``, dask's ``op(*args, **kwargs)`` a block at a time, streamed when it is ``op`` of this
@@ -424,7 +424,8 @@ def _array_class() -> type:
                 return super().astype(dtype, **kwargs)
             cast = _cast(self, np.dtype(dtype))
             if config.get("streamed_maps"):
-                cast = self._gl_as_map(cast, _Elementwise(operator.methodcaller("astype", cast.dtype), (_BLOCK,), self.chunks), {})
+                astype = _Elementwise(operator.methodcaller("astype", cast.dtype), (_BLOCK,), self.chunks)
+                cast = self._gl_as_map(cast, astype, {})
             cast._gl_cast_of = (self, cast.dtype)  # a reduction casts as it folds (``gpulazy.read.reduce``)
             return cast
 
@@ -541,9 +542,8 @@ class _Elementwise:
 
 def _in_memory(value: Any, shape: tuple[int, ...]) -> bool:
     """An array in host or device memory (NumPy, CuPy) that broadcasts to ``shape`` without growing it."""
-    if isinstance(value, np.ndarray):
-        pass
-    elif not (type(value).__module__.startswith("cupy") and hasattr(value, "__cuda_array_interface__")):
+    cupy = type(value).__module__.startswith("cupy") and hasattr(value, "__cuda_array_interface__")
+    if not (isinstance(value, np.ndarray) or cupy):
         return False
     return 0 < value.ndim <= len(shape) and all(
         n in (1, m) for n, m in zip(value.shape, shape[len(shape) - value.ndim:]))
@@ -568,7 +568,8 @@ _OPERATORS: dict[str, tuple[Any, bool]] = {
 
 
 def _streamed_operator(name: str, op: Any, reflected: bool) -> Any:
-    """``GpulazyArray.<name>``: dask's operator, streamed when its other operand is a scalar."""
+    """``GpulazyArray.<name>``: dask's operator, streamed when its other operand is a scalar or an array in
+    memory (``GpulazyArray._gl_elementwise``)."""
     import dask.array as da
 
     base = getattr(da.Array, name)

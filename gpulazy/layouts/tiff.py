@@ -352,7 +352,8 @@ def _check_one_run(path: str, s: Any, offsets: np.ndarray, counts: np.ndarray, p
         page, piece = (int(i) for i in wrong[0])
         raise LayoutError(f"TIFF {path!r}: page {page} piece {piece} starts at byte {int(offsets[page, piece])} by its "
                           f"IFD, but the series is stored as one run from byte {start}, where that piece is at byte "
-                          f"{int(want[page, piece])} (tifffile reads it there); an offset is damaged: the file is corrupt")
+                          f"{int(want[page, piece])} (tifffile reads it there); an offset is damaged: the file is "
+                          "corrupt")
 
 
 def _check_page_runs(path: str, kf: Any, offsets: np.ndarray, g: _Geometry, dtype: np.dtype) -> None:

@@ -20,12 +20,14 @@ scheduler (dask's default for arrays) they run on ``num_workers`` threads, as da
 is, and the result is then put together as dask puts it together (``concatenate3``).
 
 ``GpulazyArray.map_blocks`` takes this path only where dask's graph would be one call per chunk
-with nothing else to know: one array (``chunks=`` may give the blocks other lengths), no ``drop_axis``, ``new_axis`` or
-``enforce_ndim``, no ``block_info``/``block_id`` parameter and no dask collection among the
-keywords; its ``compute()`` only on a local scheduler (config ``streamed_maps=False`` turns it
-off). Active dask callbacks (a progress bar) are told of each chunk's tasks (``_hooks.ChunkHooks``). A map of such a map is one
-call a chunk (the functions in turn), and a reduction of one is ``gpulazy.read.reduce``'s chain
-with the function called on each chunk before its fold.
+with nothing else to know: one array (``chunks=`` may give the blocks other lengths), no
+``drop_axis``, ``new_axis`` or ``enforce_ndim``, no ``block_info``/``block_id`` parameter and no
+dask collection among the keywords; its ``compute()`` only on a local scheduler (config
+``streamed_maps=False`` turns it off). Active dask callbacks (a progress bar) are told of each
+chunk's tasks (``_hooks.ChunkHooks``). Elementwise operations with scalars and arrays in memory
+(``vol * 2``, ``vol.astype(...)``) are such maps too (``array._Elementwise``). A map of such a map
+is one call a chunk (the functions in turn), and a reduction of one is ``gpulazy.read.reduce``'s
+chain with the function called on each chunk before its fold (``MapBlocks``).
 """
 
 from __future__ import annotations

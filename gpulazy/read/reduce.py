@@ -13,8 +13,8 @@ in the array's cache are folded where they lie (``DeviceCache.visit``: no copy),
 are offered to it, so a second reduction over the same data reads nothing.
 
 A reduction of a streamed map (``vol.map_blocks(f).max(axis=0)``) is the same chain with ``f`` called
-on each chunk first (``ReduceStream._mapped``), on the stream the fold runs on: no block of the
-map outlives its fold.
+on each chunk first (``mapped.MapBlocks``), on the stream the fold runs on: no block of the map
+outlives its fold.
 
 Values equal dask's up to floating-point order: ``max``/``min`` exactly; sums in the
 dtype NumPy sums in (``uint16`` -> ``uint64``); ``mean``, ``var``, ``std`` accumulate in

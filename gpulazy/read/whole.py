@@ -121,8 +121,10 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
     needed = [spec for spec in specs.values() if all(
         edges[a][i] < hi and edges[a][i + 1] > lo for a, (i, (lo, hi)) in enumerate(zip(spec.index, region)))]
     todo: list[tuple[ChunkSpec, Any]] = []
-    cuts: dict[str, tuple] = {}  # key of a chunk (or of the part read of it) -> (slices in it, in ``out``)
-    heads: dict[str, ChunkSpec] = {}  # key of a chunk's head read (``ChunkSpec.head``) -> the chunk
+    # Keys name content, not place: two chunks of the same bytes (pieces never written, read as the
+    # fill value: an HDF5 chunk table's missing chunks share one key) are one key at two places.
+    cuts: dict[str, list[tuple]] = {}  # key of a chunk (or of the part read of it) -> [(slices in it, in ``out``)]
+    heads: dict[str, list[ChunkSpec]] = {}  # key of a chunk's head read (``ChunkSpec.head``) -> the chunks
     done: set[str] = set()
 
     def copy_hit(spec: ChunkSpec, entry: Any, src: tuple, dst: tuple) -> None:
@@ -148,19 +150,20 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 found = None if source.verify or part is not None else spec.head(src[0].start, src[0].stop)
                 if found is not None:
                     first, part = found
-                    heads[part.key] = spec
+                    heads.setdefault(part.key, []).append(spec)
                     src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
                 if part is not None and part.shape == tuple(s.stop - s.start for s in src):
                     yield part, out[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
                 else:
                     part = part or spec
-                    cuts[part.key] = (src, dst)
-                    yield part, None
+                    seen = part.key in cuts
+                    cuts.setdefault(part.key, []).append((src, dst))
+                    if not seen:
+                        yield part, None  # one read of the bytes, copied to every place they belong
 
         def landed(spec: ChunkSpec, arr: Any) -> None:
             done.add(spec.key)
-            if spec.key in cuts:
-                src, dst = cuts[spec.key]
+            for src, dst in cuts.get(spec.key, ()):
                 _copy_part(out, dst, arr, src, dev)
 
         if any(spec.codec is not None for spec, _, _ in cut):
@@ -194,12 +197,15 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             for spec, dest in todo:
                 if spec.key in done:
                     continue
-                chunk = heads.get(spec.key)
-                if chunk is None:
+                chunks_of = heads.get(spec.key)
+                if chunks_of is None:
                     rest.append((spec, dest))
-                else:
-                    cuts[chunk.key] = _overlap(chunk.index, edges, region)[:2]
-                    rest.append((chunk, None))
+                    continue
+                for chunk in chunks_of:
+                    seen = chunk.key in cuts
+                    cuts.setdefault(chunk.key, []).append(_overlap(chunk.index, edges, region)[:2])
+                    if not seen:
+                        rest.append((chunk, None))
             read_in_order(rest, source.backend_instance(), source.verify, landed, limit)
     return out
 

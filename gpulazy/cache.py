@@ -426,7 +426,8 @@ class DeviceCache:
                 if entry is not None:
                     entry.pins -= 1
 
-    def get_region(self, spec: ChunkSpec, load: Loader, region: tuple, out: Any = None) -> Any:
+    def get_region(self, spec: ChunkSpec, load: Loader, region: tuple, out: Any = None,
+                   check: Callable[[ChunkSpec], None] | None = None) -> Any:
         """``get(spec, load)[region]`` as the caller's own array, copying only ``region`` on a hit.
 
         For viewers: one plane of a cached chunk is copied out, not the whole chunk
@@ -434,7 +435,8 @@ class DeviceCache:
         ``out``, when given (an array of the region's shape, e.g. a view into a larger
         region the caller assembles), receives the region and is returned: the one copy
         a region of several chunks needs. Either way the bytes are in place, on every
-        stream, when this returns (docs/streams.md).
+        stream, when this returns (docs/streams.md). ``check(spec)`` runs before a cached copy
+        is served, as in ``get``; what it raises refuses it.
         """
         with self._lock:
             entry = self._entries.get(spec.key)
@@ -442,6 +444,8 @@ class DeviceCache:
                 self._count_hit(spec.key, entry, None)
                 entry.pins += 1
         if entry is not None:
+            if check is not None:
+                self._check_hit(spec, entry, check)
             if out is None:
                 return self._copy_out(entry.array[region], entry)
             try:
@@ -451,7 +455,7 @@ class DeviceCache:
                 with self._lock:
                     entry.pins -= 1
             return out
-        chunk = self.get(spec, load)
+        chunk = self.get(spec, load, check)
         if out is None:
             return chunk[region]
         with own_stream(self.device):

@@ -199,6 +199,7 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
     started waited for all of it.
     """
     from gpulazy.device import get_device, own_stream
+    from gpulazy.integrity import check_unchanged
 
     source = array.chunk_source
     view = source.for_viewer()
@@ -230,11 +231,11 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
                 out[at] = read[spec.key][region]
             continue
         if part is None:
-            cache.get_region(spec, view.read, region, out=out[at])
+            cache.get_region(spec, view.read, region, out=out[at], check=check_unchanged)
             continue
         sub, sub_region = part
         if sub.is_head and sub.key not in heads:  # a head that could not serve: the chunk, whole
-            cache.get_region(spec, view.read, region, out=out[at])
+            cache.get_region(spec, view.read, region, out=out[at], check=check_unchanged)
             continue
         chunk = heads[sub.key] if sub.is_head else view.read(sub)
         with own_stream(dev):

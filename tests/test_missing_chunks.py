@@ -111,3 +111,29 @@ def test_verify_refuses_a_chunk_file_the_manifest_lists_but_that_is_gone(tmp_pat
         gpulazy.from_files(store, device="cpu", verify=True)
     assert info.value.path == lost
     assert repr(lost) in str(info.value)
+
+
+def test_a_block_of_missing_chunks_of_a_rewritten_file_raises_not_the_old_fill(tmp_path):
+    """A block made only of chunks never written read no byte of its file and carried no identity of
+    it, so after the file was rewritten it still handed out the fill value (found by fuzzing): it
+    now depends on the HDF5 file, or on the shard whose index says its chunks are missing."""
+    path = str(tmp_path / "a.h5")
+    with h5py.File(path, "w") as h:
+        h.create_dataset("data", shape=(2, 8, 8), dtype="u2", chunks=(2, 4, 4))[:, 4:, 4:] = 5
+    vol = gpulazy.from_files(path, dataset="/data", device="cpu", cache=False, chunks=(2, 4, 4))
+    np.testing.assert_array_equal(vol[0:2, 0:4, 0:4].compute(), 0)
+    with h5py.File(path, "w") as h:
+        h.create_dataset("data", shape=(2, 8, 8), dtype="u2", chunks=(2, 4, 4))[...] = 9
+    with pytest.raises(ChunkReadError) as info:
+        vol[0:2, 0:4, 0:4].compute()
+    assert path in str(info.value)
+    store = str(tmp_path / "a.zarr")
+    z = zarr.create_array(store, shape=(8, 8), chunks=(2, 4), shards=(8, 8), dtype="u2", fill_value=0,
+                          config={"write_empty_chunks": False})
+    z[6:, 4:] = 5  # one inner chunk of the one shard written
+    sharded = gpulazy.from_files(store, device="cpu", cache=False, chunks=(2, 4))
+    np.testing.assert_array_equal(sharded[0:2, 0:4].compute(), 0)
+    zarr.open_array(store, mode="r+")[...] = 9  # every inner chunk written now
+    with pytest.raises(ChunkReadError) as info:
+        sharded[0:2, 0:4].compute()
+    assert os.path.join(store, "c") in str(info.value)

@@ -303,3 +303,25 @@ def test_gpu_napari_stepping_shows_every_plane_as_the_file(tmp_path, codec):
     finally:
         napari_gpulazy.detach(viewer)
         cache.close()
+
+
+def test_a_viewer_region_of_a_cached_chunk_of_a_changed_file_raises_naming_it(tmp_path):
+    """A viewer's region of a cached chunk is served by ``DeviceCache.get_region``, which checked
+    nothing: after the file changed, napari showed the old values while ``vol[box]`` raised (found by
+    fuzzing the partial reads). The hit is checked as ``get``'s are."""
+    from gpulazy.errors import ChunkReadError
+
+    path = str(tmp_path / "a.npy")
+    np.save(path, np.arange(4 * 8 * 8, dtype="u2").reshape(4, 8, 8))
+    cache = gpulazy.DeviceCache("64 MiB", device="cpu")
+    try:
+        vol = gpulazy.from_files(path, device="cpu", cache=cache, chunks=(2, 8, 8))
+        view = HostView(vol, label=path, target=vol)
+        np.testing.assert_array_equal(np.asarray(view[0:2, 1:3]), np.arange(256, dtype="u2").reshape(4, 8, 8)[0:2, 1:3])
+        assert cache.stats()["loads"] >= 1  # the chunk is cached now
+        np.save(path, np.arange(4 * 8 * 8, dtype="u2").reshape(4, 8, 8) + 1)  # same size, other values
+        with pytest.raises(ChunkReadError) as info:
+            np.asarray(view[0:2, 1:3])
+        assert path in str(info.value) and "changed" in str(info.value)
+    finally:
+        cache.close()

@@ -41,6 +41,7 @@ dtype, chunking, filters and fill value) stack along a new axis 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -544,8 +545,15 @@ def _specs(found: Sequence[Hdf5Dataset], shape: tuple[int, ...], stored: tuple[i
         masks[(d.path, hit[0])] = hit[2]
         return ByteRange(d.path, hit[0], hit[1])
 
+    ident = functools.cache(file_identity)
+
+    def table_of(sidx: tuple[int, ...]) -> Any:
+        # A chunk never written reads as the fill value because the file's chunk table says so: a
+        # block of such chunks alone depends on the file all the same (rewritten, it is stale).
+        return ident((found[sidx[0]] if stacked else first).path)
+
     specs = grid_specs(shape, stored, chunks, dtype=first.dtype, tile_at=tile_at, codec=first.codec(0),
-                       fill_value=first.fill_value)
+                       fill_value=first.fill_value, identity=ident, absent=table_of)
     if not any(masks.values()):
         return specs
     return _apply_masks(specs, masks, first.codec)

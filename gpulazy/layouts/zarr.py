@@ -439,9 +439,11 @@ class _ShardTiles:
         return ByteRange(path, off, nb)
 
     def absent(self, coords: tuple[int, ...]) -> FileIdentity | None:
-        """The shard file never written, or ``None``: the present shard's index says so."""
+        """The shard file never written; else the present shard's identity, whose index says so
+        (a block of inner chunks all missing reads no byte of the shard, yet depends on it)."""
         shard = self._shard(coords)
-        return FileIdentity.absent(self.files.path(shard)) if self.indexes[shard] is None else None
+        found = self.indexes[shard]
+        return FileIdentity.absent(self.files.path(shard)) if found is None else self.files.found[found[0]]
 
     def _shard(self, coords: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(c // p for c, p in zip(coords, self.meta.shard.per_shard))

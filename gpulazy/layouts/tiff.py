@@ -347,13 +347,7 @@ def _check_one_run(path: str, s: Any, offsets: np.ndarray, counts: np.ndarray, p
         return
     within = np.concatenate([np.zeros((len(counts), 1), np.int64), np.cumsum(counts[:, :-1], axis=1)], axis=1)
     want = start + page_nbytes * np.arange(len(offsets), dtype=np.int64)[:, None] + within
-    wrong = np.argwhere(offsets != want)
-    if wrong.size:
-        page, piece = (int(i) for i in wrong[0])
-        raise LayoutError(f"TIFF {path!r}: page {page} piece {piece} starts at byte {int(offsets[page, piece])} by its "
-                          f"IFD, but the series is stored as one run from byte {start}, where that piece is at byte "
-                          f"{int(want[page, piece])} (tifffile reads it there); an offset is damaged: the file is "
-                          "corrupt")
+    _refuse_off_run(path, offsets, want, lambda page: f"the series is stored as one run from byte {start}")
 
 
 def _check_page_runs(path: str, kf: Any, offsets: np.ndarray, g: _Geometry, dtype: np.dtype) -> None:
@@ -372,13 +366,19 @@ def _check_page_runs(path: str, kf: Any, offsets: np.ndarray, g: _Geometry, dtyp
         return
     need = _raw_sizes(g, dtype)
     want = offsets[:, :1] + np.concatenate([np.zeros(1, np.int64), np.cumsum(need[:-1])])[None, :]
+    _refuse_off_run(path, offsets, want,
+                    lambda page: f"the page is stored as one run from byte {int(offsets[page, 0])}")
+
+
+def _refuse_off_run(path: str, offsets: np.ndarray, want: np.ndarray, run: Any) -> None:
+    """A ``LayoutError`` naming the first piece whose offset is not ``want``'s (``run(page)`` says where
+    tifffile reads that page from)."""
     wrong = np.argwhere(offsets != want)
     if wrong.size:
         page, piece = (int(i) for i in wrong[0])
         raise LayoutError(f"TIFF {path!r}: page {page} piece {piece} starts at byte {int(offsets[page, piece])} by its "
-                          f"IFD, but the page is stored as one run from byte {int(offsets[page, 0])}, where that piece "
-                          f"is at byte {int(want[page, piece])} (tifffile reads it there); an offset is damaged: the "
-                          "file is corrupt")
+                          f"IFD, but {run(page)}, where that piece is at byte {int(want[page, piece])} (tifffile "
+                          "reads it there); an offset is damaged: the file is corrupt")
 
 
 def _inserted_axes(shape: tuple[int, ...], page_shape: tuple[int, ...], npages: int) -> tuple[int, ...] | None:

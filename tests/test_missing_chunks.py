@@ -137,3 +137,32 @@ def test_a_block_of_missing_chunks_of_a_rewritten_file_raises_not_the_old_fill(t
     with pytest.raises(ChunkReadError) as info:
         sharded[0:2, 0:4].compute()
     assert os.path.join(store, "c") in str(info.value)
+
+
+def test_a_block_of_sparse_tiff_tiles_of_a_rewritten_file_raises_not_the_old_fill(tmp_path):
+    """The same for a TIFF's sparse tiles (byte count 0: never written, read as the fill value, as
+    tifffile reads them): the block depends on the file whose byte counts say so."""
+    import struct
+
+    import tifffile
+
+    path = str(tmp_path / "sparse.tif")
+    data = np.zeros((64, 64), "u2")
+    data[32:, 32:] = 5
+    tifffile.imwrite(path, data, tile=(32, 32), photometric="minisblack")
+    with tifffile.TiffFile(path) as tif:
+        page = tif.pages[0]
+        offsets, counts = page.tags["TileOffsets"], page.tags["TileByteCounts"]
+        n, order = len(page.dataoffsets), tif.byteorder
+        kinds = {3: "H", 4: "I", 16: "Q"}
+        new_offsets, new_counts = [0] + list(page.dataoffsets[1:]), [0] + list(page.databytecounts[1:])
+    blob = bytearray(open(path, "rb").read())
+    struct.pack_into(order + kinds[offsets.dtype] * n, blob, offsets.valueoffset, *new_offsets)  # tile 0 sparse
+    struct.pack_into(order + kinds[counts.dtype] * n, blob, counts.valueoffset, *new_counts)
+    open(path, "wb").write(bytes(blob))
+    vol = gpulazy.from_files(path, device="cpu", cache=False, chunks=(32, 32))
+    np.testing.assert_array_equal(vol[:32, :32].compute(), tifffile.imread(path)[:32, :32])
+    tifffile.imwrite(path, np.full((64, 64), 9, "u2"), tile=(32, 32), photometric="minisblack")
+    with pytest.raises(ChunkReadError) as info:
+        vol[:32, :32].compute()
+    assert path in str(info.value)

@@ -89,10 +89,11 @@ def grid_specs(shape: Sequence[int], stored: Sequence[int], chunks: tuple[tuple[
         Path -> its ``FileIdentity``, for the chunk keys and the checks on reading
         (default: ``FileIdentity.of``, once per file).
     absent
-        Grid index of a piece never written -> the ``FileIdentity.absent`` of the file
-        whose absence makes it so (a Zarr chunk file: if it appears later, the chunk is
-        stale), or ``None`` when a file already in the identity says so (a shard's index,
-        an HDF5 chunk table, a TIFF's byte counts).
+        Grid index of a piece never written -> the identity of the file that says so: the
+        ``FileIdentity.absent`` of a Zarr chunk file never written (if it appears later, the
+        chunk is stale), or the identity of the file whose index or byte counts say so (a
+        shard, an HDF5 file, a TIFF page's file), so that a block of such pieces alone, which
+        reads no byte, still depends on it; ``None`` when nothing does.
     """
     shape, stored = tuple(shape), tuple(max(1, s) for s in stored)
     check_stored_chunks(shape, stored, dtype)  # before a Tile (and a stat) is made per stored chunk
@@ -123,7 +124,7 @@ def _spec(tiles: tuple[Tile, ...], bshape: tuple[int, ...], dt: str, codec: Any,
         return ChunkSpec((), bshape, dt, "C", None, (), idx)
     present = [t.range for t in tiles if t.range is not None]
     paths = tuple(dict.fromkeys(r.path for r in present))
-    identity = tuple(ident(p) for p in paths) + also
+    identity = tuple(dict.fromkeys(tuple(ident(p) for p in paths) + also))  # (a file's pieces and its holes)
     if codec is None and _in_order(tiles, bshape):
         # The stored bytes, concatenated, are the block's elements: a plain read, no assembly.
         runs = coalesce((r.offset, r.nbytes) for r in present) if len(paths) == 1 else None

@@ -868,5 +868,11 @@ def _grid_specs(full: tuple, lead: int, chunks: tuple, f: _Found, pages: _PageTa
             return (1,) * lead + g.stored
         return (1,) * lead + _strip_shape(g, segment(sidx)[1])
 
+    def absent(sidx: tuple[int, ...]) -> FileIdentity:
+        # A sparse piece reads as the fill value because its page's byte counts say so: a block of
+        # such pieces alone depends on that file all the same (rewritten, it is stale).
+        return pages.identity[pages.paths[segment(sidx)[0]]]
+
     return grid_specs(full, (1,) * lead + g.stored, chunks, dtype=f.dtype, tile_at=tile_at, codec=f.codec,
-                      fill_value=f.fill_value, tile_shape=tile_shape, identity=pages.identity.__getitem__)
+                      fill_value=f.fill_value, tile_shape=tile_shape, identity=pages.identity.__getitem__,
+                      absent=absent)

@@ -229,7 +229,7 @@ class _Calls:
     (at most two calls a thread waiting, so chunks read do not pile up behind a slow ``func``)."""
 
     def __init__(self, func: Callable, kwargs: dict, result: _Result, workers: int, dev: Device, hooks: Any = None):
-        self.func, self.kwargs, self.result, self.dev, self.hooks = func, kwargs, result, dev, hooks
+        self.result, self.dev, self.hooks = result, dev, hooks
         self.call = _caller(func, kwargs)
         self.stream = _MapStream(dev) if dev.is_gpu else None
         self.pool = None

@@ -17,6 +17,7 @@ import functools
 import gc
 import itertools
 import math
+import numbers
 import operator
 import os
 import sys
@@ -287,16 +288,18 @@ def _array_class() -> type:
 
         def __getitem__(self, index: Any) -> Any:
             """A slice on chunk boundaries stays a gpulazy array over the same chunks; a box off
-            them keeps a ``compute()`` that reads only the chunks it meets; any other index is dask's."""
-            region = _box(self, index)
-            blocks = _aligned_blocks(self, region) if region is not None else None
+            them, or a plane (``vol[5]``, ``vol[:, 0]``: integers among step-1 slices), keeps a
+            ``compute()`` that reads only the box; any other index is dask's."""
+            found = _box(self, index)
+            region, dropped = found if found is not None else (None, ())
+            blocks = _aligned_blocks(self, region) if region is not None and not dropped else None
             if blocks is not None:
                 return _block_slice(self, blocks)
             out = super().__getitem__(index)
-            if out is self or region is None or out.shape != tuple(b - a for a, b in region):
+            if out is self or region is None or out.shape != _kept_shape(region, dropped):
                 return out  # (the whole array: dask hands back the array itself)
             box = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            box._gl_region_of = (self, region)  # its compute() reads the box alone, at the read rate
+            box._gl_region_of = (self, region, out.shape)  # its compute() reads the box alone, at the read rate
             return box
 
         def compute(self, **kwargs: Any) -> Any:
@@ -304,10 +307,11 @@ def _array_class() -> type:
             box = getattr(self, "_gl_region_of", None)
             if box is not None and box[0]._fast_path_ok(kwargs) and not _active_callbacks(kwargs):
                 self.compute_path = "fast"
-                base, region = box
+                base, region, shape = box
                 from gpulazy.read.whole import read_region
 
-                return read_region(base._gl_specs, base._gl_source, base.chunks, base.dtype, region, base._gl_order)
+                out = read_region(base._gl_specs, base._gl_source, base.chunks, base.dtype, region, base._gl_order)
+                return out.reshape(shape)  # (a plane: the axes its integers index dropped, a view)
             chain = getattr(self, "_gl_stream_of", None)
             if chain is not None and _local_compute(kwargs) and not _active_callbacks(kwargs):
                 self.compute_path = "fast"
@@ -698,9 +702,11 @@ def _active_callbacks(kwargs: dict) -> bool:
     return bool(active_callbacks(kwargs.get("callbacks")))
 
 
-def _box(arr: Any, index: Any) -> tuple[tuple[int, int], ...] | None:
-    """``(start, stop)`` per axis when ``index`` is step-1 slices selecting a non-empty box, else ``None``
-    (also for an array changed in place; an index dask refuses is left to dask's own error)."""
+def _box(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+    """``(region, dropped)`` when ``index`` is step-1 slices and integers selecting a non-empty box of
+    more than one element: ``(start, stop)`` per axis, and the axes an integer indexes (dropped from
+    the result); else ``None`` (also for an array changed in place; an index dask refuses is left to
+    dask's own error; a single element is dask's, which gives a scalar)."""
     if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
         return None
     from dask.array.slicing import normalize_index
@@ -709,15 +715,27 @@ def _box(arr: Any, index: Any) -> tuple[tuple[int, int], ...] | None:
         index = normalize_index(index, arr.shape)
     except Exception:
         return None
-    if len(index) != arr.ndim or not all(isinstance(ix, slice) for ix in index):
+    if len(index) != arr.ndim:
         return None
-    region = []
-    for ix, n in zip(index, arr.shape):
+    region, dropped = [], []
+    for axis, (ix, n) in enumerate(zip(index, arr.shape)):
+        if isinstance(ix, numbers.Integral) and not isinstance(ix, bool) and 0 <= ix < n:
+            region.append((int(ix), int(ix) + 1))
+            dropped.append(axis)
+            continue
+        if not isinstance(ix, slice):
+            return None
         start, stop, step = ix.indices(n)
         if step != 1 or start >= stop:
             return None
         region.append((start, stop))
-    return tuple(region)
+    if len(dropped) == arr.ndim:
+        return None
+    return tuple(region), tuple(dropped)
+
+
+def _kept_shape(region: tuple[tuple[int, int], ...], dropped: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(b - a for axis, (a, b) in enumerate(region) if axis not in dropped)
 
 
 def _aligned_blocks(arr: Any, region: tuple[tuple[int, int], ...]) -> tuple[range, ...] | None:

@@ -172,15 +172,22 @@ def test_compute_recovers_from_one_oom_with_a_small_cache(tmp_path, oom_backend,
         cache.close()
 
 
-def test_second_oom_raises_with_the_figures(tmp_path, oom_backend):
+@pytest.mark.parametrize("part,nbytes", [
+    (lambda vol: vol[::2], 4096),  # dask's tasks: the chunk task reads its 8 planes
+    (lambda vol: vol[0], 512),  # a plane, read alone
+    (lambda vol: vol, 4096),  # the whole read
+    (lambda vol: vol.max(axis=0), 4096),  # a streamed reduction
+    (lambda vol: vol.map_blocks(np.negative), 4096),  # a streamed map
+], ids=["dask", "plane", "whole", "reduction", "map"])
+def test_second_oom_raises_with_the_figures(tmp_path, oom_backend, part, nbytes):
     oom_backend.fail = 2
     path, data = _raw(tmp_path)
     vol = gpulazy.from_files(path, shape=data.shape, dtype="uint16", chunks=(8, 16, 16), device="cpu",
                              cache=False, backend="oom-once")
     with pytest.raises(DeviceMemoryError) as info:
-        vol[0].compute(scheduler="sync")
+        part(vol).compute(scheduler="sync")
     msg = str(info.value)
-    assert "4096 bytes requested" in msg and "free" in msg and "held by gpulazy" in msg
+    assert f"{nbytes} bytes requested" in msg and "free" in msg and "held by gpulazy" in msg
     assert str(path) in msg
     assert isinstance(info.value, MemoryError)
 

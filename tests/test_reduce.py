@@ -314,13 +314,21 @@ def test_streamed_reductions_on_the_gpu(tmp_path, op):
 
 @st.composite
 def boxes(draw):
+    """A shape, a chunking and a box of it: per axis a step-1 slice or an integer (``vol[5]``, a plane)."""
     shape = tuple(draw(st.integers(1, 9)) for _ in range(draw(st.integers(1, 3))))
     chunks = tuple(draw(st.integers(1, n)) for n in shape)
     box = []
     for n in shape:
         lo = draw(st.integers(0, n - 1))
-        box.append(slice(lo, draw(st.integers(lo + 1, n))))
+        if draw(st.integers(0, 3)) == 0:
+            box.append(draw(st.sampled_from([lo, lo - n])))  # an integer, maybe from the end
+        else:
+            box.append(slice(lo, draw(st.integers(lo + 1, n))))
     return shape, chunks, tuple(box)
+
+
+def _as_slices(box, shape):
+    return tuple(slice(b % n, b % n + 1) if isinstance(b, int) else b for b, n in zip(box, shape))
 
 
 @given(layout=boxes(), cached=st.booleans(), dtype=st.sampled_from(["<u2", ">f8"]))
@@ -336,11 +344,15 @@ def test_a_box_computes_alone_and_equals_the_file(tmp_path_factory, layout, cach
     before = gpulazy.stats().snapshot()["bytes_read"]
     part = vol[box]
     got = part.compute()
+    if all(isinstance(b, int) for b in box):  # one element: dask's, a scalar
+        assert not isinstance(part, type(vol)) and np.ndim(got) == 0
+    else:
+        assert part.compute_path == "fast" and got.shape == data[box].shape
     np.testing.assert_array_equal(got, data[box])
     assert got.dtype == data.dtype.newbyteorder("=")
     edges = [range(0, n, c) for n, c in zip(shape, chunks)]
     touched = 1
-    for e, c, s in zip(edges, chunks, box):
+    for e, c, s in zip(edges, chunks, _as_slices(box, shape)):
         touched *= sum(1 for lo in e if lo < s.stop and lo + c > s.start)
     read = gpulazy.stats().snapshot()["bytes_read"] - before
     assert read <= touched * np.prod(chunks) * data.itemsize  # only the chunks the box meets
@@ -359,6 +371,21 @@ def test_a_box_cut_along_axis_0_reads_only_its_planes(tmp_path, device):
     np.testing.assert_array_equal(got, data[3:35])
     # Cut across axis 1 too: those chunks are read whole, and the values agree.
     np.testing.assert_array_equal(to_host(vol[3:35, 1:4].compute()), data[3:35, 1:4])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_plane_reads_only_its_bytes_and_drops_its_axis(tmp_path, device):
+    data = np.random.default_rng(6).integers(0, 999, (40, 6, 5)).astype(">u2")
+    vol = _vol(tmp_path, data, (16, 6, 5), device=device)
+    for index, nbytes in ((20, 6 * 5 * 2), (-1, 6 * 5 * 2), ((slice(None), 2), 40 * 6 * 5 * 2), ((7, slice(1, 3)), 16 * 6 * 5 * 2)):
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        plane = vol[index]
+        got = plane.compute()
+        assert plane.compute_path == "fast"
+        assert type(got) is type(vol._meta) and got.shape == data[index].shape
+        np.testing.assert_array_equal(to_host(got), data[index])
+        # A plane across axis 0 is its own bytes; a cut across a later axis reads the chunks it meets whole.
+        assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes
 
 
 def test_a_box_submits_its_whole_chunks_before_working_out_the_parts_it_cuts(tmp_path, monkeypatch):

@@ -83,13 +83,7 @@ class CachedBatch:
 
 def _start_retrying(specs: list[ChunkSpec], source: Any) -> Any:
     """The engine's reads of ``specs``, retried once after making room if memory runs out."""
-    from gpulazy.device import get_device
-    from gpulazy.memory import retry_on_oom
-    from gpulazy.read.engine import start
+    from gpulazy.read.engine import start_retrying
 
-    first = specs[0]
-    what = (f"reading {len(specs)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
-            else "reading chunks")
-    return retry_on_oom(lambda: start(specs, source.backend_instance(), verify=source.verify,
-                                      staged=config.get("staging") != "never"),
-                        device=get_device(source.device), nbytes=sum(s.out_nbytes for s in specs), what=what)
+    return start_retrying(specs, source.backend_instance(), verify=source.verify,
+                          staged=config.get("staging") != "never")

@@ -49,7 +49,7 @@ from gpulazy.integrity import as_read_error, unchanged_each
 from gpulazy.io import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec, FileIdentity
 
-__all__ = ["Reads", "start", "read", "byte_view"]
+__all__ = ["Reads", "start", "start_retrying", "read", "byte_view"]
 
 _PENDING = object()
 #: The most chunks after those finishing that ``Reads._check_landed`` checks with their stat.
@@ -78,6 +78,21 @@ def start(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | No
     retries (``gpulazy.memory.retry_on_oom``).
     """
     return Reads(list(specs), backend, outs, verify, staged)
+
+
+def start_retrying(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | None = None, *,
+                   verify: bool = False, staged: bool | None = None) -> Reads:
+    """``start(...)``, retried once after making room when memory runs out (``gpulazy.memory.retry_on_oom``:
+    the device's caches emptied, CuPy's pools given back); running out again raises
+    ``DeviceMemoryError`` naming the chunks, their file and the device's free and cached bytes."""
+    from gpulazy.memory import retry_on_oom
+
+    specs = list(specs)
+    first = specs[0]
+    what = (f"reading {len(specs)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
+            else "reading chunks")
+    return retry_on_oom(lambda: start(specs, backend, outs, verify=verify, staged=staged), device=backend.device,
+                        nbytes=sum(s.out_nbytes for s in specs), what=what)
 
 
 def read(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | None = None, *,

@@ -158,18 +158,13 @@ class ReduceStream:
         return self.cache.visit(group, fold, after=wait)
 
     def _submit(self, j: int) -> None:
-        from gpulazy.memory import retry_on_oom
-        from gpulazy.read.engine import start
+        from gpulazy.read.engine import start_retrying
 
         group = list(self.groups[j])
         misses = self._fold_cached(group) if self.cache is not None else group
         reads = None
         if misses:
-            first = misses[0]
-            reads = retry_on_oom(lambda: start(misses, self.backend, verify=self.source.verify, staged=False),
-                                 device=self.dev, nbytes=_bytes(misses),
-                                 what=f"reading {len(misses)} chunks from {first.index} of {first.paths[0]!r}"
-                                 if first.ranges else "reading chunks")
+            reads = start_retrying(misses, self.backend, verify=self.source.verify, staged=False)
         nbytes = _bytes(misses)
         # Chunks that decode settle on the settle threads, so group j decodes while this thread
         # folds the groups before it; chunks read as stored have nothing to decode.

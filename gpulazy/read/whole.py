@@ -281,7 +281,7 @@ def read_in_order(todo: Iterable[tuple[ChunkSpec, Any]], backend: Any, verify: b
     the next chunk is seen not to fit in it); then ``like``, the chunks they are made of, sizes
     the submissions and the threads that settle them, and holds no head (``ChunkSpec.head``).
     """
-    from gpulazy.read.engine import start
+    from gpulazy.read.engine import start_retrying
 
     sizing = [s for s, _ in todo] if like is None else like
     grow_to = _decode_group(sizing, limit)
@@ -326,7 +326,8 @@ def read_in_order(todo: Iterable[tuple[ChunkSpec, Any]], backend: Any, verify: b
             while inflight and held + nbytes > limit:
                 hand_out()
             try:
-                reads = start([s for s, _ in group], backend, [d for _, d in group], verify=verify, staged=False)
+                reads = start_retrying([s for s, _ in group], backend, [d for _, d in group], verify=verify,
+                                       staged=False)
             except BaseException as e:
                 errors.append(e)
                 break

@@ -76,6 +76,39 @@ def test_std_with_ddof_and_a_cast(tmp_path, ddof):
     np.testing.assert_array_equal(vol.astype("f8").compute(), data.astype("f8"))
 
 
+@given(layout=layouts(), name=st.sampled_from(["max", "amax", "min", "amin", "sum", "mean", "var", "std"]),
+       keepdims=st.sampled_from([None, False, True]), positional=st.booleans())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_numpy_reductions_of_a_gpulazy_array_stream(tmp_path_factory, layout, name, keepdims, positional):
+    """``np.max(vol, axis=0)`` is ``vol.max(axis=0)``: streamed, not dask's tasks."""
+    shape, chunks, axes = layout
+    data = np.random.default_rng(2).integers(0, 200, shape).astype("<u2")
+    vol = _vol(tmp_path_factory.mktemp("n"), data, chunks)
+    func = getattr(np, name)
+    given = {} if keepdims is None else {"keepdims": keepdims}
+    r = func(vol, axes, **given) if positional else func(vol, axis=axes, **given)
+    assert isinstance(r, type(vol)) and "streamed" in r.name
+    got = r.compute()
+    assert r.compute_path == "fast"
+    want = func(data, axis=axes, **given)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("op,dtype", [(op, d) for op in ("sum", "mean", "var", "std") for d in ("f4", "f8")]
+                         + [("sum", "i8")])  # (NumPy's mean of int64 is float64: not accumulated in int64)
+def test_a_reduction_given_the_dtype_it_accumulates_in_streams(tmp_path, op, dtype):
+    """``vol.sum(dtype="f8")`` is ``vol.astype("f8").sum()``: the same values, streamed."""
+    data = np.random.default_rng(3).integers(0, 60000, (9, 6, 5)).astype(">u2")
+    vol = _vol(tmp_path, data, (4, 3, 5))
+    r = getattr(vol, op)(axis=(0, 2), dtype=dtype)
+    want = getattr(data, op)(axis=(0, 2), dtype=dtype)
+    assert "streamed" in r.name and r.dtype == want.dtype
+    got = r.compute()
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == "f4" else 1e-12)
+
+
 def test_hits_come_from_the_cache_and_misses_are_read_once(tmp_path):
     data = np.arange(8 * 6 * 4, dtype="<u2").reshape(8, 6, 4)
     cache = gpulazy.DeviceCache("1 MiB", device="cpu")
@@ -114,8 +147,10 @@ def test_dask_reduces_when_asked_or_when_the_arguments_need_it(tmp_path):
         r = vol.max(axis=0)
         assert "streamed" not in r.name
         np.testing.assert_array_equal(r.compute(), data.max(axis=0))
-    r = vol.sum(dtype="f4")  # an accumulation dtype: dask's own
-    assert "streamed" not in r.name and r.compute() == data.sum(dtype="f4")
+    r = vol.sum(dtype="u1")  # NumPy sums uint8 in uint64, this sum wraps in uint8: dask's own
+    assert "streamed" not in r.name and r.compute() == data.sum(dtype="u1")
+    with pytest.raises(TypeError, match="where"):
+        np.sum(vol, axis=0, where=data > 3)  # NumPy's parameters the methods lack: dask's (which has none)
     vol2 = vol.copy()
     vol2[0, 0] = 7  # changed in place: no longer the files
     assert "streamed" not in vol2.max().name and vol2.max().compute() == max(7, data.max())

@@ -22,15 +22,17 @@ of ``--repeat``:
 | hdf5-bitshuffle | HDF5 chunked, bitshuffle + LZ4 (filter 32008, Dectris detectors) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
 | hdf5-blosc | HDF5 chunked, Blosc LZ4 level 5 + byte shuffle (filter 32001) | ``h5py`` + hdf5plugin → ``cp.asarray`` |
 
-Derived rows (``--ops``, or ``--derived`` for all seven): ``max(axis=0)`` (MIP), the slice
+Derived rows (``--ops``, or ``--derived`` for all of them): ``max(axis=0)`` (MIP), the slice
 ``[1:half+1]`` off chunk boundaries, ``astype("f8").sum()``, ``mean()``, ``map_blocks(b * 2)``
 (each chunk mapped as its read lands) and its MIP (the map folded into the streamed reduction), each as GB/s of
 source bytes, as a ratio to the same format's whole ``compute()`` in the same run (issue 20:
 ≥ 0.9 for raw, tiff, zarr-3d and zarr-zstd-3d) and beside "raw KvikIO + the same op" (the
 raw file read whole with KvikIO into one buffer, then the same CuPy operation); and one plane
 ``[half:half+1]`` where a chunk begins (a viewer's plane: its milliseconds are the figure, a
-compressed chunk decoding its first planes alone). Every result is checked against the
-generated volume.
+compressed chunk decoding its first planes alone). Beside their gpulazy ways, the same work through
+dask's tasks in the same run: ``plane_int`` (``vol[half]``, a box read) against ``plane_dask``
+(``da.Array.__getitem__``), and ``np_mip`` (``np.max(vol, axis=0)``, the streamed MIP) against
+``mip_dask`` (``da.max``, dask's reduction). Every result is checked against the generated volume.
 
 Slow reference ways read only the first ``--ref-limit`` bytes and are reported as a rate; a
 reference not installed is skipped with the reason printed. With ``--dir`` the files are kept
@@ -413,7 +415,26 @@ OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
     # A reduction of a map: the map's function folded into the streamed reduction.
     "map_mip": ("map_blocks(b * 2).max(axis=0)", lambda a, g: a.map_blocks(_twice, dtype=a.dtype).max(axis=0)
                 if hasattr(a, "map_blocks") else _twice(a).max(axis=0)),
+    # A plane by an integer (a notebook's ``vol[k]``), read as a box; beside it the same index through
+    # dask's getitem tasks (what it was before the twenty-seventh session), in the same run.
+    "plane_int": ("[half]", lambda a, g: a[g.half]),
+    "plane_dask": ("[half] by dask's tasks", lambda a, g: _dask_getitem(a, g.half)),
+    # NumPy's function (``vol.max``'s streamed reduction) against dask's ``da.max`` (dask's tasks).
+    "np_mip": ("np.max(vol, axis=0)", lambda a, g: np.max(a, axis=0)),
+    "mip_dask": ("da.max(vol, axis=0)", lambda a, g: _dask_max(a)),
 }
+
+
+def _dask_getitem(a: Any, index: Any) -> Any:
+    import dask.array as da
+
+    return da.Array.__getitem__(a, index) if isinstance(a, da.Array) else a[index]
+
+
+def _dask_max(a: Any) -> Any:
+    import dask.array as da
+
+    return da.max(a, axis=0) if isinstance(a, da.Array) else a.max(axis=0)
 
 
 def _twice(block: Any) -> Any:
@@ -424,7 +445,7 @@ TARGET_OPS = ("mip", "slice", "astype_sum", "mean")
 
 def op_bytes(op: str, g: Geometry) -> int:
     """Source bytes an operation reads: the slice reads half the planes, the plane one, the others all."""
-    return {"slice": g.half * g.plane, "plane": g.plane}.get(op, g.nbytes)
+    return {"slice": g.half * g.plane, "plane": g.plane, "plane_int": g.plane, "plane_dask": g.plane}.get(op, g.nbytes)
 
 
 def _planes_equal(out: Any, first: int, g: Geometry, times: int = 1) -> bool:
@@ -448,7 +469,9 @@ def check_whole(out: Any, g: Geometry) -> bool:
 
 def check_op(op: str, out: Any, g: Geometry) -> bool:
     """``out`` equals the operation on the generated volume (sums of integers below 2**53 are exact in f8)."""
-    if op in ("mip", "map_mip"):
+    if op in ("plane_int", "plane_dask"):
+        return tuple(out.shape) == (g.side, g.side) and _planes_equal(out[None], g.half, g)
+    if op in ("mip", "map_mip", "np_mip", "mip_dask"):
         times = np.uint16(2 if op == "map_mip" else 1)  # (wrapping as uint16 does, before the max)
         want = np.maximum.reduce([plane(z, g.side) * times for z in range(min(g.n, _DISTINCT))])
         return bool(np.array_equal(_host(out), want))
@@ -509,6 +532,8 @@ def raw_op(op: str, path: str, g: Geometry, device: str) -> Callable[[], Any]:
         return lambda: read_raw(path, g, device, 1, g.half)
     if op == "plane":
         return lambda: read_raw(path, g, device, g.half, 1)
+    if op in ("plane_int", "plane_dask"):
+        return lambda: read_raw(path, g, device, g.half, 1)[0]
     fn = OPS[op][1]
     return lambda: fn(read_raw(path, g, device), g)
 

@@ -13,6 +13,7 @@ your current stream is left as it is. See docs/streams.md.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import itertools
@@ -509,9 +510,49 @@ def _files_of(arr: Any) -> tuple[dict, ChunkSource, tuple | None] | None:
     if getattr(arr, "_gl_name", None) == arr.name:
         return arr._gl_specs, arr._gl_source, None
     mapped = getattr(arr, "_gl_map_of", None)
+    if mapped is None and getattr(arr, "_gl_region_of", None) is not None:
+        mapped = arr._gl_map_of = _box_as_map(arr)  # (made on first use: a box's compute() needs none)
     if mapped is not None and mapped[0] == arr.name:
         return mapped[1], mapped[2], (mapped[4], mapped[5])
     return None
+
+
+def _box_as_map(box: Any) -> tuple | None:
+    """A box (``vol[3:40, 100:900]``) as a streamed map (``_gl_map_of``): its block ``i`` is its part of the
+    ``i``-th chunk it meets (``_Cut``), so its reductions, maps and elementwise operations stream as
+    a map's do (whole chunks read, each cut before the function or the fold). ``None`` where its blocks
+    are not one a chunk met (a plane: its integers drop axes)."""
+    base, region, shape = box._gl_region_of
+    if len(shape) != base.ndim:
+        return None
+    met = []  # per axis: (first chunk met, edges of the chunks)
+    for (lo, hi), chunks in zip(region, base.chunks):
+        edges = list(itertools.accumulate(chunks, initial=0))
+        first, last = bisect.bisect_right(edges, lo) - 1, bisect.bisect_right(edges, hi - 1) - 1
+        lengths = tuple(min(hi, edges[i + 1]) - max(lo, edges[i]) for i in range(first, last + 1))
+        met.append((first, edges, lengths))
+    if tuple(lengths for _, _, lengths in met) != box.chunks:
+        return None
+    specs, cuts = {}, {}
+    for k in itertools.product(*(range(first, first + len(lengths)) for first, _, lengths in met)):
+        new = tuple(i - first for i, (first, _, _) in zip(k, met))
+        specs[new] = base._gl_specs[k].at(new)  # same bytes, same key: the cache is shared
+        cuts[new] = tuple(slice(max(lo, e[i]) - e[i], min(hi, e[i + 1]) - e[i])
+                          for i, (lo, hi), (_, e, _) in zip(k, region, met))
+    return box.name, specs, base._gl_source, box.chunks, _Cut(cuts), {}, box.name
+
+
+class _Cut:
+    """A box's part of each chunk it meets, block ``index``'s slices of its chunk (``_box_as_map``)."""
+
+    takes_index = True
+    __name__ = "cut"
+
+    def __init__(self, cuts: dict[tuple[int, ...], tuple[slice, ...]]):
+        self.cuts = cuts
+
+    def __call__(self, chunk: Any, index: tuple[int, ...]) -> Any:
+        return chunk[self.cuts[index]]
 
 
 class _BlockMark:

@@ -396,6 +396,57 @@ def test_a_box_computes_alone_and_equals_the_file(tmp_path_factory, layout, cach
         cache.close()
 
 
+@given(layout=boxes(), op=st.sampled_from(["max", "sum", "mean", "std", "map", "map_max", "times2", "astype_sum"]),
+       axis=st.sampled_from([None, 0, -1]), cached=st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_what_is_computed_from_a_box_streams_and_equals_numpy(tmp_path_factory, layout, op, axis, cached):
+    """A box's reductions, maps and elementwise operations run as a streamed map of the chunks it meets,
+    each cut to the box: no dask task a chunk, only those chunks read, values as NumPy's."""
+    shape, chunks, box = layout
+    box = tuple(slice(b % n, b % n + 1) if isinstance(b, int) else b for b, n in zip(box, shape))  # (no plane)
+    data = np.random.default_rng(7).integers(0, 999, shape).astype("<u2")
+    cache = gpulazy.DeviceCache("1 MiB", device="cpu") if cached else False
+    vol = _vol(tmp_path_factory.mktemp("bx"), data, chunks, cache=cache)
+    part, want = vol[box], data[box]
+    made = {
+        "max": (lambda v: v.max(axis=axis), lambda d: d.max(axis=axis)),
+        "sum": (lambda v: v.sum(axis=axis), lambda d: d.sum(axis=axis)),
+        "mean": (lambda v: v.mean(axis=axis), lambda d: d.mean(axis=axis)),
+        "std": (lambda v: v.std(axis=axis), lambda d: d.std(axis=axis)),
+        "map": (lambda v: v.map_blocks(np.sqrt, dtype="f4"), np.sqrt),
+        "map_max": (lambda v: v.map_blocks(lambda b: b + 1).max(axis=axis), lambda d: (d + 1).max(axis=axis)),
+        "times2": (lambda v: v * 2, lambda d: d * 2),
+        "astype_sum": (lambda v: v.astype("f8").sum(axis=axis), lambda d: d.astype("f8").sum(axis=axis)),
+    }
+    ours, numpys = made[op]
+    r = ours(part)
+    assert isinstance(r, type(vol))
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    got = r.compute(scheduler="sync")
+    assert r.compute_path == "fast"
+    np.testing.assert_allclose(got, numpys(want), rtol=1e-6)
+    met = 1
+    for n, c, s in zip(shape, chunks, box):
+        met *= sum(1 for lo in range(0, n, c) if lo < s.stop and lo + c > s.start)
+    assert gpulazy.stats().snapshot()["bytes_read"] - before <= met * np.prod(chunks) * 2  # the chunks it meets
+    if cached:
+        cache.close()
+
+
+@pytest.mark.gpu
+def test_a_box_s_reductions_and_maps_stream_on_the_gpu(tmp_path):
+    data = np.random.default_rng(8).integers(0, 60000, (37, 40, 24)).astype("<u2")
+    vol = _vol(tmp_path, data, (8, 16, 24), device="cuda:0")
+    part = vol[3:30, 5:33]
+    for r, want in ((part.max(axis=0), data[3:30, 5:33].max(axis=0)),
+                    (part.astype("f4").mean(axis=(1, 2)), data[3:30, 5:33].astype("f4").mean(axis=(1, 2))),
+                    ((part * 2).sum(axis=0), (data[3:30, 5:33] * 2).sum(axis=0)),
+                    (part.map_blocks(lambda b: b // 3), data[3:30, 5:33] // 3)):
+        got = r.compute()
+        assert r.compute_path == "fast" and type(got).__module__.startswith("cupy")
+        np.testing.assert_allclose(to_host(got), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_a_box_cut_along_axis_0_reads_only_its_planes(tmp_path, device):
     data = np.random.default_rng(6).integers(0, 999, (40, 6, 5)).astype(">u2")

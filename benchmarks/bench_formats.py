@@ -32,7 +32,9 @@ raw file read whole with KvikIO into one buffer, then the same CuPy operation); 
 compressed chunk decoding its first planes alone). Beside their gpulazy ways, the same work through
 dask's tasks in the same run: ``plane_int`` (``vol[half]``, a box read) against ``plane_dask``
 (``da.Array.__getitem__``), and ``np_mip`` (``np.max(vol, axis=0)``, the streamed MIP) against
-``mip_dask`` (``da.max``, dask's reduction). Every result is checked against the generated volume.
+``mip_dask`` (``da.max``, dask's reduction), and ``slice_mip`` (``[1:half+1].max(axis=0)``, streamed
+over the chunks the box meets) against ``slice_mip_dask``. Every result is checked against the
+generated volume.
 
 Slow reference ways read only the first ``--ref-limit`` bytes and are reported as a rate; a
 reference not installed is skipped with the reason printed. With ``--dir`` the files are kept
@@ -423,6 +425,10 @@ OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
     # NumPy's function (``vol.max``'s streamed reduction) against dask's ``da.max`` (dask's tasks).
     "np_mip": ("np.max(vol, axis=0)", lambda a, g: np.max(a, axis=0)),
     "mip_dask": ("da.max(vol, axis=0)", lambda a, g: _dask_max(a)),
+    # The MIP of a box off the chunk boundaries (a streamed map of the chunks it meets, each cut), beside
+    # the same through dask's tasks (a getitem, then dask's reduction), in the same run.
+    "slice_mip": ("[1:half+1].max(axis=0)", lambda a, g: a[1:g.half + 1].max(axis=0)),
+    "slice_mip_dask": ("[1:half+1].max by dask", lambda a, g: _dask_getitem(a, slice(1, g.half + 1)).max(axis=0)),
 }
 
 
@@ -446,7 +452,8 @@ TARGET_OPS = ("mip", "slice", "astype_sum", "mean")
 
 def op_bytes(op: str, g: Geometry) -> int:
     """Source bytes an operation reads: the slice reads half the planes, the plane one, the others all."""
-    return {"slice": g.half * g.plane, "plane": g.plane, "plane_int": g.plane, "plane_dask": g.plane}.get(op, g.nbytes)
+    return {"slice": g.half * g.plane, "slice_mip": g.half * g.plane, "slice_mip_dask": g.half * g.plane,
+            "plane": g.plane, "plane_int": g.plane, "plane_dask": g.plane}.get(op, g.nbytes)
 
 
 def _planes_equal(out: Any, first: int, g: Geometry, times: int = 1) -> bool:
@@ -472,6 +479,9 @@ def check_op(op: str, out: Any, g: Geometry) -> bool:
     """``out`` equals the operation on the generated volume (sums of integers below 2**53 are exact in f8)."""
     if op in ("plane_int", "plane_dask"):
         return tuple(out.shape) == (g.side, g.side) and _planes_equal(out[None], g.half, g)
+    if op in ("slice_mip", "slice_mip_dask"):
+        want = np.maximum.reduce([plane(z, g.side) for z in range(1, 1 + min(g.half, _DISTINCT))])
+        return tuple(out.shape) == (g.side, g.side) and np.array_equal(_host(out), want)
     if op in ("mip", "map_mip", "np_mip", "mip_dask"):
         times = np.uint16(2 if op == "map_mip" else 1)  # (wrapping as uint16 does, before the max)
         want = np.maximum.reduce([plane(z, g.side) * times for z in range(min(g.n, _DISTINCT))])
@@ -531,6 +541,8 @@ def raw_op(op: str, path: str, g: Geometry, device: str) -> Callable[[], Any]:
     """The raw reference of ``op``: the slice is a read of those planes alone; the others read all, then compute."""
     if op == "slice":
         return lambda: read_raw(path, g, device, 1, g.half)
+    if op in ("slice_mip", "slice_mip_dask"):
+        return lambda: read_raw(path, g, device, 1, g.half).max(axis=0)
     if op == "plane":
         return lambda: read_raw(path, g, device, g.half, 1)
     if op in ("plane_int", "plane_dask"):
@@ -805,17 +817,21 @@ def _print_ref(name: str, r: dict[str, Any]) -> None:
 def summary(rows: list[dict[str, Any]], ops: list[str]) -> str:
     """Derived / whole compute() per format and op: the issue-20 table."""
     lines = [f"derived op rate / whole compute() rate (target >= {TARGET_VS_WHOLE} for {', '.join(TARGET_FORMATS)}):",
-             f"{'format':18s}" + "".join(f"{op:>12s}" for op in ops)]
+             f"{'format':18s}" + "".join(f"{op:>{_width(op)}s}" for op in ops)]
     for row in rows:
         if "ops" not in row:
             continue
         cells = []
         for op in ops:
-            r = row["ops"].get(op, {})
-            cells.append(f"{r['x_whole']:>11.2f}" + ("!" if r.get("meets_target") is False else " ")
-                         if "x_whole" in r else f"{'-':>12s}")
+            r, w = row["ops"].get(op, {}), _width(op)
+            cells.append(f"{r['x_whole']:>{w - 1}.2f}" + ("!" if r.get("meets_target") is False else " ")
+                         if "x_whole" in r else f"{'-':>{w}s}")
         lines.append(f"{row['format']:18s}" + "".join(cells))
     return "\n".join(lines)
+
+
+def _width(op: str) -> int:
+    return max(12, len(op) + 2)
 
 
 # -- command line -------------------------------------------------------------------------------------

@@ -457,6 +457,13 @@ def test_a_box_cut_along_axis_0_reads_only_its_planes(tmp_path, device):
     np.testing.assert_array_equal(got, data[3:35])
     # Cut across axis 1 too: those chunks are read whole, and the values agree.
     np.testing.assert_array_equal(to_host(vol[3:35, 1:4].compute()), data[3:35, 1:4])
+    # What is computed from the box reads its planes alone too (its cut along axis 1 made after the read).
+    for made, want in ((vol[3:35].max(axis=0), data[3:35].max(axis=0)),
+                       ((vol[3:35, 1:4] * 2).sum(axis=0), (data[3:35, 1:4] * 2).sum(axis=0))):
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        np.testing.assert_array_equal(to_host(made.compute()), want)
+        assert made.compute_path == "fast"
+        assert gpulazy.stats().snapshot()["bytes_read"] - before == 32 * 6 * 5 * 2
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
@@ -534,6 +541,10 @@ def test_a_box_with_verify_reads_whole_chunks(tmp_path):
     before = gpulazy.stats().snapshot()["bytes_read"]
     np.testing.assert_array_equal(vol[3:35].compute(), data[3:35])
     assert gpulazy.stats().snapshot()["bytes_read"] - before == 40 * 6 * 2  # checksums cover whole chunks
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    mip = vol[3:35].max(axis=0)
+    np.testing.assert_array_equal(mip.compute(), data[3:35].max(axis=0))
+    assert mip.compute_path == "fast" and gpulazy.stats().snapshot()["bytes_read"] - before == 40 * 6 * 2
 
 
 @given(src=st.sampled_from(["<u2", ">i4", "<f4", "<f8", "u1"]), cast=st.sampled_from(["f8", "f4", "i8", "u1"]),

@@ -291,6 +291,9 @@ def _array_class() -> type:
             """A slice on chunk boundaries stays a gpulazy array over the same chunks; a box off
             them, or a plane (``vol[5]``, ``vol[:, 0]``: integers among step-1 slices), keeps a
             ``compute()`` that reads only the box; any other index is dask's."""
+            within = _in_base(self, index)
+            if within is not None:  # a box of a box: the box of the files it is (``vol[100:200][5]``)
+                return self._gl_region_of[0][within]
             found = _box(self, index)
             region, dropped = found if found is not None else (None, ())
             blocks = _aligned_blocks(self, region) if region is not None and not dropped else None
@@ -810,16 +813,35 @@ def _box(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, 
     dask's own error; a single element is dask's, which gives a scalar)."""
     if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
         return None
+    return _parse_box(index, arr.shape)
+
+
+def _in_base(box: Any, index: Any) -> tuple | None:
+    """For a box (``_gl_region_of``, no axis dropped), the index of its files' array that ``box[index]``
+    is, when ``index`` is a box or a plane of it (``_parse_box``); else ``None``."""
+    of = getattr(box, "_gl_region_of", None)
+    if of is None or len(of[2]) != len(of[1]):
+        return None
+    found = _parse_box(index, box.shape)
+    if found is None:
+        return None
+    region, dropped = found
+    return tuple(b0 + r0 if axis in dropped else slice(b0 + r0, b0 + r1)
+                 for axis, ((r0, r1), (b0, _)) in enumerate(zip(region, of[1])))
+
+
+def _parse_box(index: Any, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+    """``_box``'s reading of ``index`` against ``shape``."""
     from dask.array.slicing import normalize_index
 
     try:
-        index = normalize_index(index, arr.shape)
+        index = normalize_index(index, shape)
     except Exception:
         return None
-    if len(index) != arr.ndim:
+    if len(index) != len(shape):
         return None
     region, dropped = [], []
-    for axis, (ix, n) in enumerate(zip(index, arr.shape)):
+    for axis, (ix, n) in enumerate(zip(index, shape)):
         if isinstance(ix, numbers.Integral) and not isinstance(ix, bool) and 0 <= ix < n:
             region.append((int(ix), int(ix) + 1))
             dropped.append(axis)
@@ -830,7 +852,7 @@ def _box(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, 
         if step != 1 or start >= stop:
             return None
         region.append((start, stop))
-    if len(dropped) == arr.ndim:
+    if len(dropped) == len(shape):
         return None
     return tuple(region), tuple(dropped)
 

@@ -433,6 +433,31 @@ def test_what_is_computed_from_a_box_streams_and_equals_numpy(tmp_path_factory, 
         cache.close()
 
 
+@given(layout=boxes(), data=st.data())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_box_of_a_box_is_a_box_of_the_files(tmp_path_factory, layout, data):
+    shape, chunks, outer = layout
+    outer = _as_slices(outer, shape)  # (a box that keeps its axes)
+    values = np.random.default_rng(9).integers(0, 999, shape).astype("<u2")
+    vol = _vol(tmp_path_factory.mktemp("bb"), values, chunks)
+    part = vol[outer]
+    inner = []
+    for s in outer:
+        n = s.stop - s.start
+        lo = data.draw(st.integers(0, n - 1))
+        inner.append(data.draw(st.sampled_from([lo, slice(lo, data.draw(st.integers(lo + 1, n)))])))
+    inner = tuple(inner)
+    got = part[inner]
+    want = values[outer][inner]
+    if all(isinstance(i, int) for i in inner):
+        assert np.array_equal(got.compute(), want)  # one element: dask's
+        return
+    assert isinstance(got, type(vol))
+    np.testing.assert_array_equal(got.compute(), want)
+    assert got.compute_path == "fast"
+    np.testing.assert_array_equal(got.sum(axis=0).compute(), want.sum(axis=0))
+
+
 @pytest.mark.gpu
 def test_a_box_s_reductions_and_maps_stream_on_the_gpu(tmp_path):
     data = np.random.default_rng(8).integers(0, 60000, (37, 40, 24)).astype("<u2")

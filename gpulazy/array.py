@@ -537,19 +537,24 @@ def _box_as_map(box: Any) -> tuple | None:
     if tuple(lengths for _, _, lengths in met) != box.chunks:
         return None
     specs, cuts = {}, {}
-    verify = base._gl_source.verify
+    source = base._gl_source
+    cache = source.cache_instance()
     for k in itertools.product(*(range(first, first + len(lengths)) for first, _, lengths in met)):
         new = tuple(i - first for i, (first, _, _) in zip(k, met))
         spec = base._gl_specs[k]
         cut = tuple(slice(max(lo, e[i]) - e[i], min(hi, e[i + 1]) - e[i]) for i, (lo, hi), (_, e, _) in zip(k, region, met))
         # Cut along axis 0, a chunk stored as is reads the planes the box needs alone (not with
-        # ``verify``: checksums cover whole chunks); same bytes, same key: the cache is shared.
-        part = spec.leading(cut[0].start, cut[0].stop) if cut[0] != slice(0, spec.shape[0]) and not verify else None
+        # ``verify``: checksums cover whole chunks), unless the cache holds the chunk now (the map is
+        # made as the computation is built); same bytes, same key: the cache is shared.
+        part = None
+        if cut[0] != slice(0, spec.shape[0]) and not source.verify and not (
+                cache is not None and (spec in cache or cache.holds(spec))):
+            part = spec.leading(cut[0].start, cut[0].stop)
         if part is not None:
             spec, cut = part, (slice(None),) + cut[1:]
         specs[new] = spec.at(new)
         cuts[new] = cut
-    return box.name, specs, base._gl_source, box.chunks, _Cut(cuts), {}, box.name
+    return box.name, specs, source, box.chunks, _Cut(cuts), {}, box.name
 
 
 class _Cut:

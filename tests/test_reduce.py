@@ -506,6 +506,21 @@ def test_a_plane_reads_only_its_bytes_and_drops_its_axis(tmp_path, device):
         assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes
 
 
+def test_a_box_s_reduction_over_cached_chunks_reads_nothing(tmp_path):
+    """A box cut along axis 0 reads its planes alone, unless the cache holds their chunk: then it is
+    served from there (a part read on its own would have a key of its own, and be read again)."""
+    data = np.random.default_rng(6).integers(0, 999, (40, 6, 5)).astype("<u2")
+    cache = gpulazy.DeviceCache("1 MiB", device="cpu")
+    try:
+        vol = _vol(tmp_path, data, (16, 6, 5), cache=cache)
+        vol.sum().compute()  # every chunk cached
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        np.testing.assert_array_equal(vol[3:35].max(axis=0).compute(), data[3:35].max(axis=0))
+        assert gpulazy.stats().snapshot()["bytes_read"] == before
+    finally:
+        cache.close()
+
+
 def test_a_box_submits_its_whole_chunks_before_working_out_the_parts_it_cuts(tmp_path, monkeypatch):
     # The parts of the chunks a box cuts (``ChunkSpec.leading``) are made as the submissions reach
     # them, while the whole chunks' reads are in flight: on a Zarr volume of 16 stored chunks a

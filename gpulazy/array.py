@@ -300,6 +300,14 @@ def _array_class() -> type:
             if blocks is not None:
                 return _block_slice(self, blocks)
             out = super().__getitem__(index)
+            if out is not self and region is None and config.get("streamed_maps"):
+                strided = _strided(self, index)
+                # (dask's blocks: one a chunk picked from, unless it keeps an empty one: then dask's own)
+                if strided is not None and out.chunks == tuple(tuple(n for _, _, n in _met(a, b, k, c))
+                                                               for (a, b), k, c in zip(*strided, self.chunks)):
+                    view = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
+                    view._gl_strided_of = (self, *strided)  # a streamed map of the chunks it picks from
+                    return view
             if out is self or region is None or out.shape != _kept_shape(region, dropped):
                 return out  # (the whole array: dask hands back the array itself)
             box = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
@@ -323,6 +331,8 @@ def _array_class() -> type:
 
                 return run_stream(*chain, threaded=_threaded(kwargs))
             mapped = getattr(self, "_gl_map_of", None)
+            if mapped is None and getattr(self, "_gl_strided_of", None) is not None:
+                mapped = _files_of(self) and self._gl_map_of  # (a strided box: made on first use)
             if mapped is not None and mapped[0] == self.name and _local_compute(kwargs):
                 self.compute_path = "fast"
                 return self._map_with_hooks(mapped, kwargs)
@@ -513,7 +523,8 @@ def _files_of(arr: Any) -> tuple[dict, ChunkSource, tuple | None] | None:
     if getattr(arr, "_gl_name", None) == arr.name:
         return arr._gl_specs, arr._gl_source, None
     mapped = getattr(arr, "_gl_map_of", None)
-    if mapped is None and getattr(arr, "_gl_region_of", None) is not None:
+    if mapped is None and (getattr(arr, "_gl_region_of", None) is not None
+                           or getattr(arr, "_gl_strided_of", None) is not None):
         mapped = arr._gl_map_of = _box_as_map(arr)  # (made on first use: a box's compute() needs none)
     if mapped is not None and mapped[0] == arr.name:
         return mapped[1], mapped[2], (mapped[4], mapped[5])
@@ -521,40 +532,54 @@ def _files_of(arr: Any) -> tuple[dict, ChunkSource, tuple | None] | None:
 
 
 def _box_as_map(box: Any) -> tuple | None:
-    """A box (``vol[3:40, 100:900]``) as a streamed map (``_gl_map_of``): its block ``i`` is its part of the
-    ``i``-th chunk it meets (``_Cut``), so its reductions, maps and elementwise operations stream as
-    a map's do (whole chunks read, each cut before the function or the fold). ``None`` where its blocks
-    are not one a chunk met (a plane: its integers drop axes)."""
-    base, region, shape = box._gl_region_of
-    if len(shape) != base.ndim:
-        return None
-    met = []  # per axis: (first chunk met, edges of the chunks)
-    for (lo, hi), chunks in zip(region, base.chunks):
-        edges = list(itertools.accumulate(chunks, initial=0))
-        first, last = bisect.bisect_right(edges, lo) - 1, bisect.bisect_right(edges, hi - 1) - 1
-        lengths = tuple(min(hi, edges[i + 1]) - max(lo, edges[i]) for i in range(first, last + 1))
-        met.append((first, edges, lengths))
-    if tuple(lengths for _, _, lengths in met) != box.chunks:
+    """A box (``vol[3:40, 100:900]``) or a strided box (``vol[::4, ::4]``) as a streamed map
+    (``_gl_map_of``): its block ``i`` is its part of the ``i``-th chunk it meets (``_Cut``), so its
+    reductions, maps and elementwise operations (and a strided box's ``compute()``) stream as a map's
+    do. ``None`` where its blocks are not one a chunk met (a plane: its integers drop axes)."""
+    strided = getattr(box, "_gl_strided_of", None)
+    if strided is not None:
+        base, region, steps = strided
+    else:
+        base, region, shape = box._gl_region_of
+        if len(shape) != base.ndim:
+            return None
+        steps = (1,) * base.ndim
+    met = [_met(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, base.chunks)]
+    if tuple(tuple(n for _, _, n in axis) for axis in met) != box.chunks:
         return None
     specs, cuts = {}, {}
     source = base._gl_source
     cache = source.cache_instance()
-    for k in itertools.product(*(range(first, first + len(lengths)) for first, _, lengths in met)):
-        new = tuple(i - first for i, (first, _, _) in zip(k, met))
-        spec = base._gl_specs[k]
-        cut = tuple(slice(max(lo, e[i]) - e[i], min(hi, e[i + 1]) - e[i]) for i, (lo, hi), (_, e, _) in zip(k, region, met))
+    for picks in itertools.product(*(list(enumerate(axis)) for axis in met)):
+        new = tuple(j for j, _ in picks)
+        spec = base._gl_specs[tuple(i for _, (i, _, _) in picks)]
+        cut = tuple(c for _, (_, c, _) in picks)
         # Cut along axis 0, a chunk stored as is reads the planes the box needs alone (not with
         # ``verify``: checksums cover whole chunks), unless the cache holds the chunk now (the map is
         # made as the computation is built); same bytes, same key: the cache is shared.
         part = None
-        if cut[0] != slice(0, spec.shape[0]) and not source.verify and not (
+        if cut[0] != slice(0, spec.shape[0], 1) and not source.verify and not (
                 cache is not None and (spec in cache or cache.holds(spec))):
             part = spec.leading(cut[0].start, cut[0].stop)
         if part is not None:
-            spec, cut = part, (slice(None),) + cut[1:]
+            spec, cut = part, (slice(0, cut[0].stop - cut[0].start, cut[0].step),) + cut[1:]
         specs[new] = spec.at(new)
         cuts[new] = cut
     return box.name, specs, source, box.chunks, _Cut(cuts), {}, box.name
+
+
+def _met(lo: int, hi: int, step: int, chunks: tuple[int, ...]) -> list[tuple[int, slice, int]]:
+    """Along one axis, ``(chunk, its slice, elements)`` for each chunk that ``lo:hi:step`` selects from."""
+    out, start = [], 0
+    for i, n in enumerate(chunks):
+        end = start + n
+        first = lo if start <= lo else lo + -(-(start - lo) // step) * step
+        last_bound = min(hi, end)
+        if first < last_bound:
+            count = (last_bound - 1 - first) // step + 1
+            out.append((i, slice(first - start, first - start + (count - 1) * step + 1, step), count))
+        start = end
+    return out
 
 
 class _Cut:
@@ -819,6 +844,29 @@ def _box(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, 
     if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
         return None
     return _parse_box(index, arr.shape)
+
+
+def _strided(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+    """``(region, steps)`` when ``index`` is slices of positive steps, one of them more than 1, selecting
+    a non-empty part of ``arr``, the files as they are (``vol[::4, ::4]``); else ``None``."""
+    if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
+        return None
+    from dask.array.slicing import normalize_index
+
+    try:
+        index = normalize_index(index, arr.shape)
+    except Exception:
+        return None
+    if len(index) != arr.ndim or not all(isinstance(ix, slice) for ix in index):
+        return None
+    region, steps = [], []
+    for ix, n in zip(index, arr.shape):
+        start, stop, step = ix.indices(n)
+        if step < 1 or start >= stop:
+            return None
+        region.append((start, stop))
+        steps.append(step)
+    return (tuple(region), tuple(steps)) if max(steps) > 1 else None
 
 
 def _in_base(box: Any, index: Any) -> tuple | None:

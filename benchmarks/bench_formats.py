@@ -32,8 +32,9 @@ raw file read whole with KvikIO into one buffer, then the same CuPy operation); 
 compressed chunk decoding its first planes alone). Beside their gpulazy ways, the same work through
 dask's tasks in the same run: ``plane_int`` (``vol[half]``, a box read) against ``plane_dask``
 (``da.Array.__getitem__``), and ``np_mip`` (``np.max(vol, axis=0)``, the streamed MIP) against
-``mip_dask`` (``da.max``, dask's reduction), and ``slice_mip`` (``[1:half+1].max(axis=0)``, streamed
-over the chunks the box meets) against ``slice_mip_dask``. Every result is checked against the
+``mip_dask`` (``da.max``, dask's reduction), ``slice_mip`` (``[1:half+1].max(axis=0)``, streamed
+over the chunks the box meets) against ``slice_mip_dask``, and ``preview`` (``[::4, ::4, ::4]``) against
+``preview_dask``. Every result is checked against the
 generated volume.
 
 Slow reference ways read only the first ``--ref-limit`` bytes and are reported as a rate; a
@@ -429,6 +430,10 @@ OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
     # the same through dask's tasks (a getitem, then dask's reduction), in the same run.
     "slice_mip": ("[1:half+1].max(axis=0)", lambda a, g: a[1:g.half + 1].max(axis=0)),
     "slice_mip_dask": ("[1:half+1].max by dask", lambda a, g: _dask_getitem(a, slice(1, g.half + 1)).max(axis=0)),
+    # A preview, every 4th element along each axis (a streamed map of the chunks it picks from), beside
+    # dask's getitem tasks; GB/s of the whole volume's bytes (a folder of planes reads a quarter of them).
+    "preview": ("[::4, ::4, ::4]", lambda a, g: a[::4, ::4, ::4]),
+    "preview_dask": ("[::4, ::4, ::4] by dask", lambda a, g: _dask_getitem(a, (slice(None, None, 4),) * 3)),
 }
 
 
@@ -479,6 +484,10 @@ def check_op(op: str, out: Any, g: Geometry) -> bool:
     """``out`` equals the operation on the generated volume (sums of integers below 2**53 are exact in f8)."""
     if op in ("plane_int", "plane_dask"):
         return tuple(out.shape) == (g.side, g.side) and _planes_equal(out[None], g.half, g)
+    if op in ("preview", "preview_dask"):
+        n, m = len(range(0, g.n, 4)), len(range(0, g.side, 4))
+        host = _host(out)
+        return host.shape == (n, m, m) and all(np.array_equal(host[i], plane(4 * i, g.side)[::4, ::4]) for i in range(n))
     if op in ("slice_mip", "slice_mip_dask"):
         want = np.maximum.reduce([plane(z, g.side) for z in range(1, 1 + min(g.half, _DISTINCT))])
         return tuple(out.shape) == (g.side, g.side) and np.array_equal(_host(out), want)
@@ -541,6 +550,8 @@ def raw_op(op: str, path: str, g: Geometry, device: str) -> Callable[[], Any]:
     """The raw reference of ``op``: the slice is a read of those planes alone; the others read all, then compute."""
     if op == "slice":
         return lambda: read_raw(path, g, device, 1, g.half)
+    if op in ("preview", "preview_dask"):
+        return lambda: read_raw(path, g, device)[::4, ::4, ::4]
     if op in ("slice_mip", "slice_mip_dask"):
         return lambda: read_raw(path, g, device, 1, g.half).max(axis=0)
     if op == "plane":

@@ -13,7 +13,6 @@ your current stream is left as it is. See docs/streams.md.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import gc
 import itertools

@@ -850,22 +850,10 @@ def _strided(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[i
     a non-empty part of ``arr``, the files as they are (``vol[::4, ::4]``); else ``None``."""
     if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
         return None
-    from dask.array.slicing import normalize_index
-
-    try:
-        index = normalize_index(index, arr.shape)
-    except Exception:
+    found = _parse_index(index, arr.shape)
+    if found is None or found[1] or max(found[2]) == 1:
         return None
-    if len(index) != arr.ndim or not all(isinstance(ix, slice) for ix in index):
-        return None
-    region, steps = [], []
-    for ix, n in zip(index, arr.shape):
-        start, stop, step = ix.indices(n)
-        if step < 1 or start >= stop:
-            return None
-        region.append((start, stop))
-        steps.append(step)
-    return (tuple(region), tuple(steps)) if max(steps) > 1 else None
+    return found[0], found[2]
 
 
 def _in_base(box: Any, index: Any) -> tuple | None:
@@ -883,7 +871,17 @@ def _in_base(box: Any, index: Any) -> tuple | None:
 
 
 def _parse_box(index: Any, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
-    """``_box``'s reading of ``index`` against ``shape``."""
+    """``_box``'s reading of ``index`` against ``shape``: ``_parse_index``'s, every step 1."""
+    found = _parse_index(index, shape)
+    if found is None or max(found[2]) != 1:
+        return None
+    return found[0], found[1]
+
+
+def _parse_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple[int, ...], tuple[int, ...]] | None:
+    """``(region, dropped, steps)`` for ``index`` of integers and slices of positive steps selecting a
+    non-empty part of ``shape`` of more than one element: ``(start, stop)`` per axis, the axes an
+    integer indexes, each axis's step (1 for an integer); else ``None``."""
     from dask.array.slicing import normalize_index
 
     try:
@@ -892,21 +890,23 @@ def _parse_box(index: Any, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int
         return None
     if len(index) != len(shape):
         return None
-    region, dropped = [], []
+    region, dropped, steps = [], [], []
     for axis, (ix, n) in enumerate(zip(index, shape)):
         if isinstance(ix, numbers.Integral) and not isinstance(ix, bool) and 0 <= ix < n:
             region.append((int(ix), int(ix) + 1))
             dropped.append(axis)
+            steps.append(1)
             continue
         if not isinstance(ix, slice):
             return None
         start, stop, step = ix.indices(n)
-        if step != 1 or start >= stop:
+        if step < 1 or start >= stop:
             return None
         region.append((start, stop))
+        steps.append(step)
     if len(dropped) == len(shape):
         return None
-    return tuple(region), tuple(dropped)
+    return tuple(region), tuple(dropped), tuple(steps)
 
 
 def _kept_shape(region: tuple[tuple[int, int], ...], dropped: tuple[int, ...]) -> tuple[int, ...]:

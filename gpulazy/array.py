@@ -858,16 +858,16 @@ def _strided(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[i
 
 def _in_base(box: Any, index: Any) -> tuple | None:
     """For a box (``_gl_region_of``, no axis dropped), the index of its files' array that ``box[index]``
-    is, when ``index`` is a box or a plane of it (``_parse_box``); else ``None``."""
+    is, when ``index`` is a box, a plane or a step of it (``_parse_index``); else ``None``."""
     of = getattr(box, "_gl_region_of", None)
     if of is None or len(of[2]) != len(of[1]):
         return None
-    found = _parse_box(index, box.shape)
-    if found is None:
+    found = _parse_index(index, box.shape)
+    if found is None or (found[1] and max(found[2]) > 1):  # (a plane with a step: dask's, as of the files)
         return None
-    region, dropped = found
-    return tuple(b0 + r0 if axis in dropped else slice(b0 + r0, b0 + r1)
-                 for axis, ((r0, r1), (b0, _)) in enumerate(zip(region, of[1])))
+    region, dropped, steps = found
+    return tuple(b0 + r0 if axis in dropped else slice(b0 + r0, b0 + r1, step)
+                 for axis, ((r0, r1), step, (b0, _)) in enumerate(zip(region, steps, of[1])))
 
 
 def _parse_box(index: Any, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:

@@ -455,15 +455,20 @@ def test_a_box_of_a_box_is_a_box_of_the_files(tmp_path_factory, layout, data):
     vol = _vol(tmp_path_factory.mktemp("bb"), values, chunks)
     part = vol[outer]
     inner = []
+    step = data.draw(st.sampled_from([1, 1, 2, 3]), label="step")  # (a step of a box: ``vol[3:30][::2]``)
     for s in outer:
         n = s.stop - s.start
         lo = data.draw(st.integers(0, n - 1))
-        inner.append(data.draw(st.sampled_from([lo, slice(lo, data.draw(st.integers(lo + 1, n)))])))
+        cut = slice(lo, data.draw(st.integers(lo + 1, n)), step)
+        inner.append(cut if step > 1 else data.draw(st.sampled_from([lo, cut])))
     inner = tuple(inner)
     got = part[inner]
     want = values[outer][inner]
     if all(isinstance(i, int) for i in inner):
         assert np.array_equal(got.compute(), want)  # one element: dask's
+        return
+    if not all(all(c) for c in got.chunks):  # dask's slicing kept an empty block: its own tasks
+        np.testing.assert_array_equal(got.compute(), want)
         return
     assert isinstance(got, type(vol))
     np.testing.assert_array_equal(got.compute(), want)

@@ -227,26 +227,35 @@ def test_to_torch_moves_to_the_host_when_asked():
 
 @pytest.mark.gpu
 def test_real_oom_from_a_pool_limit_recovers(tmp_path):
+    """A read that finds no memory beside a full cache makes room (evicts it) and succeeds."""
     import cupy
 
     import gc
 
-    path, data = _raw(tmp_path, n=64, side=256)  # 8 MiB
-    cache = gpulazy.DeviceCache(data.nbytes // 4, device="cuda:0")
+    from gpulazy.stats import default_stats
+
+    data = np.arange(64 * 256 * 256, dtype="uint16").reshape(64, 256, 256)  # 8 MiB a file
+    other = data[::-1].copy()
+    data.tofile(tmp_path / "a.raw")
+    other.tofile(tmp_path / "b.raw")
+    cache = gpulazy.DeviceCache(data.nbytes, device="cuda:0")
     pool = cupy.get_default_memory_pool()
     limit = pool.get_limit()
     try:
-        vol = gpulazy.from_files(path, shape=data.shape, dtype="uint16", chunks=(4, 256, 256), device="cuda:0",
-                                 cache=cache)
-        vol.sum().compute(scheduler="sync")  # fills the cache (2 MiB)
+        a, b = (gpulazy.from_files(tmp_path / name, shape=data.shape, dtype="uint16", chunks=(4, 256, 256),
+                                   device="cuda:0", cache=cache) for name in ("a.raw", "b.raw"))
+        a.sum().compute(scheduler="sync")
+        assert cache.bytes_held == data.nbytes  # (the precondition: the cache is full of ``a``)
         gc.collect()
         pool.free_all_blocks()
-        # Room for a step of the compute (a batch of reads, their float32 copies: ~5 MiB) but not
-        # beside the full cache as well: a read must evict to get memory.
+        # Room for a step of the compute (a batch of reads, their float32 copies) only once the
+        # cache's 8 MiB of ``a`` are evicted: ``b``'s reads must make room to get memory.
         pool.set_limit(size=pool.used_bytes() + (5 << 20))
-        got = vol.astype("float32").max(axis=0).compute(scheduler="sync")
+        before = default_stats().snapshot()["oom_recoveries"].get("cuda:0", 0)
+        got = b.astype("float32").max(axis=0).compute(scheduler="sync")
         pool.set_limit(size=limit)
-        np.testing.assert_array_equal(cupy.asnumpy(got), data.max(axis=0).astype("float32"))
+        np.testing.assert_array_equal(cupy.asnumpy(got), other.max(axis=0).astype("float32"))
+        assert default_stats().snapshot()["oom_recoveries"].get("cuda:0", 0) > before
     finally:
         pool.set_limit(size=limit)
         cache.close()

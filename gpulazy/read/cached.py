@@ -55,7 +55,10 @@ class CachedBatch:
                     self.slot[i] = len(todo)
                     todo.append(spec)
         if todo:
-            self.reads = _start_retrying(todo, source)
+            from gpulazy.read.engine import start_retrying
+
+            self.reads = start_retrying(todo, source.backend_instance(), verify=source.verify,
+                                        staged=config.get("staging") != "never")
         return self
 
     def result(self) -> list[Any]:
@@ -80,10 +83,3 @@ class CachedBatch:
         read = self.reads.chunk(k)
         return read if cache is None or not self.keep else cache.get(spec, lambda s, a=read: a)
 
-
-def _start_retrying(specs: list[ChunkSpec], source: Any) -> Any:
-    """The engine's reads of ``specs``, retried once after making room if memory runs out."""
-    from gpulazy.read.engine import start_retrying
-
-    return start_retrying(specs, source.backend_instance(), verify=source.verify,
-                          staged=config.get("staging") != "never")

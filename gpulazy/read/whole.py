@@ -146,12 +146,12 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
         def parts():
             """What is read of each chunk the box cuts: the part it needs, or all of it."""
             for spec, src, dst in cut:
-                part = None if source.verify else _slab(spec, src)
+                first, part = _leading(spec, src) if not source.verify else (0, None)
                 found = None if source.verify or part is not None else spec.head(src[0].start, src[0].stop)
                 if found is not None:
                     first, part = found
                     heads.setdefault(part.key, []).append(spec)
-                    src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
+                src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
                 if part is not None and part.shape == tuple(s.stop - s.start for s in src):
                     yield part, out[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
                 else:
@@ -223,13 +223,15 @@ def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:
     return True
 
 
-def _slab(spec: ChunkSpec, src: tuple) -> ChunkSpec | None:
-    """The part ``src`` of ``spec`` as a chunk of its own, when it is whole but along axis 0 and the
-    bytes are stored as is (``ChunkSpec.leading``); else ``None``. (Not with ``verify``: checksums
-    cover whole chunks.)"""
-    if any(s != slice(0, n) for s, n in zip(src[1:], spec.shape[1:])):
-        return None
-    return spec.leading(src[0].start, src[0].stop)
+def _leading(spec: ChunkSpec, src: tuple) -> tuple[int, ChunkSpec | None]:
+    """``(first, part)``: the planes ``src`` cuts from ``spec`` along axis 0, from plane ``first``, as a
+    chunk of their own when its bytes are stored as is (``ChunkSpec.leading``: a plane of a Zarr chunk
+    of 64 is 1/64 of its bytes, whatever the box cuts along the later axes); else ``(0, None)``. (Not
+    with ``verify``: checksums cover whole chunks.)"""
+    if src[0] == slice(0, spec.shape[0]):
+        return 0, None
+    part = spec.leading(src[0].start, src[0].stop)
+    return (src[0].start, part) if part is not None else (0, None)
 
 
 def _overlap(index: tuple, edges: list, region: tuple) -> tuple[tuple, tuple, bool]:

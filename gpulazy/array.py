@@ -292,7 +292,7 @@ def _array_class() -> type:
             ``compute()`` that reads only the box; any other index is dask's."""
             within = _in_base(self, index)
             if within is not None:  # a box of a box: the box of the files it is (``vol[100:200][5]``)
-                return self._gl_region_of[0][within]
+                return self._gl_box_of[0][within]
             found = _box(self, index)
             region, dropped = found if found is not None else (None, ())
             blocks = _aligned_blocks(self, region) if region is not None and not dropped else None
@@ -302,37 +302,39 @@ def _array_class() -> type:
             if out is not self and region is None and config.get("streamed_maps"):
                 strided = _strided(self, index)
                 # (dask's blocks: one a chunk picked from, unless it keeps an empty one: then dask's own)
-                if strided is not None and out.chunks == tuple(tuple(n for _, _, n in _met(a, b, k, c))
-                                                               for (a, b), k, c in zip(*strided, self.chunks)):
+                if strided is not None and out.chunks == tuple(
+                        tuple(n for _, _, n in _met(a, b, k, c))
+                        for axis, ((a, b), k, c) in enumerate(zip(strided[0], strided[1], self.chunks))
+                        if axis not in strided[2]):
                     view = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-                    view._gl_strided_of = (self, *strided)  # a streamed map of the chunks it picks from
+                    view._gl_box_of = (self, *strided)  # a streamed map of the chunks it picks from
                     return view
             if out is self or region is None or out.shape != _kept_shape(region, dropped):
                 return out  # (the whole array: dask hands back the array itself)
             box = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            box._gl_region_of = (self, region, out.shape)  # its compute() reads the box alone, at the read rate
+            # Its compute() reads the box alone, at the read rate; what is made of it streams (``_map_of``).
+            box._gl_box_of = (self, region, (1,) * self.ndim, dropped)
             return box
 
         def compute(self, **kwargs: Any) -> Any:
             """The whole array on its device; see the class docstring for the fast path."""
-            box = getattr(self, "_gl_region_of", None)
-            if box is not None and box[0]._fast_path_ok(kwargs) and not _active_callbacks(kwargs):
+            box = getattr(self, "_gl_box_of", None)
+            if (box is not None and max(box[2]) == 1 and box[0]._fast_path_ok(kwargs)
+                    and not _active_callbacks(kwargs)):
                 self.compute_path = "fast"
-                base, region, shape = box
+                base, region, _, dropped = box
                 from gpulazy.read.whole import read_region
 
                 out = read_region(base._gl_specs, base._gl_source, base.chunks, base.dtype, region, base._gl_order)
-                return out.reshape(shape)  # (a plane: the axes its integers index dropped, a view)
+                return out.reshape(_kept_shape(region, dropped))  # (a plane: the axes its integers index dropped)
             chain = getattr(self, "_gl_stream_of", None)
             if chain is not None and _local_compute(kwargs) and not _active_callbacks(kwargs):
                 self.compute_path = "fast"
                 from gpulazy.read.reduce import run_stream
 
                 return run_stream(*chain, threaded=_threaded(kwargs))
-            mapped = getattr(self, "_gl_map_of", None)
-            if mapped is None and getattr(self, "_gl_strided_of", None) is not None:
-                mapped = _files_of(self) and self._gl_map_of  # (a strided box: made on first use)
-            if mapped is not None and mapped[0] == self.name and _local_compute(kwargs):
+            mapped = _map_of(self)
+            if mapped is not None and _local_compute(kwargs):
                 self.compute_path = "fast"
                 return self._map_with_hooks(mapped, kwargs)
             if self._fast_path_ok(kwargs):
@@ -521,36 +523,34 @@ def _files_of(arr: Any) -> tuple[dict, ChunkSource, tuple | None] | None:
     ``GpulazyArray.map_blocks``); ``None`` for anything else (also an array changed in place)."""
     if getattr(arr, "_gl_name", None) == arr.name:
         return arr._gl_specs, arr._gl_source, None
+    mapped = _map_of(arr)
+    return None if mapped is None else (mapped[1], mapped[2], (mapped[4], mapped[5]))
+
+
+def _map_of(arr: Any) -> tuple | None:
+    """``arr``'s streamed map (``_gl_map_of``) when it is one, not changed in place; a box's is made on
+    first use (``_box_as_map``: a box's own ``compute()`` needs none)."""
     mapped = getattr(arr, "_gl_map_of", None)
-    if mapped is None and (getattr(arr, "_gl_region_of", None) is not None
-                           or getattr(arr, "_gl_strided_of", None) is not None):
-        mapped = arr._gl_map_of = _box_as_map(arr)  # (made on first use: a box's compute() needs none)
-    if mapped is not None and mapped[0] == arr.name:
-        return mapped[1], mapped[2], (mapped[4], mapped[5])
-    return None
+    if mapped is None and getattr(arr, "_gl_box_of", None) is not None:
+        mapped = arr._gl_map_of = _box_as_map(arr)
+    return mapped if mapped is not None and mapped[0] == arr.name else None
 
 
 def _box_as_map(box: Any) -> tuple | None:
-    """A box (``vol[3:40, 100:900]``) or a strided box (``vol[::4, ::4]``) as a streamed map
-    (``_gl_map_of``): its block ``i`` is its part of the ``i``-th chunk it meets (``_Cut``), so its
-    reductions, maps and elementwise operations (and a strided box's ``compute()``) stream as a map's
-    do. ``None`` where its blocks are not one a chunk met (a plane: its integers drop axes)."""
-    strided = getattr(box, "_gl_strided_of", None)
-    if strided is not None:
-        base, region, steps = strided
-    else:
-        base, region, shape = box._gl_region_of
-        if len(shape) != base.ndim:
-            return None
-        steps = (1,) * base.ndim
+    """A box (``vol[3:40, 100:900]``), a plane (``vol[5]``) or a strided box (``vol[::4, ::4]``) as a
+    streamed map (``_gl_map_of``): its block ``i`` is its part of the ``i``-th chunk it meets (``_Cut``;
+    a plane's integers index the chunk, dropping its axes), so its reductions, maps and elementwise
+    operations (and a strided box's ``compute()``) stream as a map's do. ``None`` where dask's blocks
+    of it are not one a chunk met."""
+    base, region, steps, dropped = box._gl_box_of
     met = [_met(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, base.chunks)]
-    if tuple(tuple(n for _, _, n in axis) for axis in met) != box.chunks:
+    if tuple(tuple(n for _, _, n in axis) for a, axis in enumerate(met) if a not in dropped) != box.chunks:
         return None
     specs, cuts = {}, {}
     source = base._gl_source
     cache = source.cache_instance()
     for picks in itertools.product(*(list(enumerate(axis)) for axis in met)):
-        new = tuple(j for j, _ in picks)
+        new = tuple(j for a, (j, _) in enumerate(picks) if a not in dropped)
         spec = base._gl_specs[tuple(i for _, (i, _, _) in picks)]
         cut = tuple(c for _, (_, c, _) in picks)
         # Cut along axis 0, a chunk stored as is reads the planes the box needs alone (not with
@@ -563,7 +563,7 @@ def _box_as_map(box: Any) -> tuple | None:
         if part is not None:
             spec, cut = part, (slice(0, cut[0].stop - cut[0].start, cut[0].step),) + cut[1:]
         specs[new] = spec.at(new)
-        cuts[new] = cut
+        cuts[new] = tuple(c.start if a in dropped else c for a, c in enumerate(cut))
     return box.name, specs, source, box.chunks, _Cut(cuts), {}, box.name
 
 
@@ -845,25 +845,27 @@ def _box(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, 
     return _parse_box(index, arr.shape)
 
 
-def _strided(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
-    """``(region, steps)`` when ``index`` is slices of positive steps, one of them more than 1, selecting
-    a non-empty part of ``arr``, the files as they are (``vol[::4, ::4]``); else ``None``."""
+def _strided(arr: Any, index: Any) -> tuple[tuple, tuple[int, ...], tuple[int, ...]] | None:
+    """``(region, steps, dropped)`` (``_parse_index``) when ``index`` is integers and slices of positive
+    steps, one of them more than 1, selecting a non-empty part of ``arr``, the files as they are
+    (``vol[::4, ::4]``, ``vol[5, ::2, ::2]``); else ``None``."""
     if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
         return None
     found = _parse_index(index, arr.shape)
-    if found is None or found[1] or max(found[2]) == 1:
+    if found is None or max(found[2]) == 1:
         return None
-    return found[0], found[2]
+    region, dropped, steps = found
+    return region, steps, dropped
 
 
 def _in_base(box: Any, index: Any) -> tuple | None:
-    """For a box (``_gl_region_of``, no axis dropped), the index of its files' array that ``box[index]``
-    is, when ``index`` is a box, a plane or a step of it (``_parse_index``); else ``None``."""
-    of = getattr(box, "_gl_region_of", None)
-    if of is None or len(of[2]) != len(of[1]):
+    """For a box (``_gl_box_of``, every step 1, no axis dropped), the index of its files' array that
+    ``box[index]`` is, when ``index`` is a box, a plane or a step of it (``_parse_index``); else ``None``."""
+    of = getattr(box, "_gl_box_of", None)
+    if of is None or max(of[2]) > 1 or of[3]:
         return None
     found = _parse_index(index, box.shape)
-    if found is None or (found[1] and max(found[2]) > 1):  # (a plane with a step: dask's, as of the files)
+    if found is None:
         return None
     region, dropped, steps = found
     return tuple(b0 + r0 if axis in dropped else slice(b0 + r0, b0 + r1, step)

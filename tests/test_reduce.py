@@ -10,7 +10,7 @@ from __future__ import annotations
 import dask
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import gpulazy
 import gpulazy.spec
@@ -350,18 +350,19 @@ def test_streamed_reductions_on_the_gpu(tmp_path, op):
 @st.composite
 def boxes(draw, steps=False):
     """A shape, a chunking and a box of it: per axis a step-1 slice or an integer (``vol[5]``, a plane);
-    ``steps=True``: slices of steps 1-4, one of them more than 1 (``vol[::4, ::4]``)."""
+    ``steps=True``: slices of steps 1-4, one of them more than 1 (``vol[::4, ::4]``), and integers."""
     shape = tuple(draw(st.integers(1, 9)) for _ in range(draw(st.integers(1, 3))))
     chunks = tuple(draw(st.integers(1, n)) for n in shape)
     box = []
     for n in shape:
         lo = draw(st.integers(0, n - 1))
-        if not steps and draw(st.integers(0, 3)) == 0:
+        if draw(st.integers(0, 3)) == 0:
             box.append(draw(st.sampled_from([lo, lo - n])))  # an integer, maybe from the end
         else:
             box.append(slice(lo, draw(st.integers(lo + 1, n)), draw(st.integers(1, 4)) if steps else None))
-    if steps and all(s.step == 1 for s in box):
-        box[0] = slice(box[0].start, box[0].stop, 2)
+    if steps and all(isinstance(s, int) or s.step == 1 for s in box):  # (a step, on a slice)
+        b = box[-1] % shape[-1] if isinstance(box[-1], int) else box[-1].start
+        box[-1] = slice(b, shape[-1], 2)
     return shape, chunks, tuple(box)
 
 
@@ -405,11 +406,11 @@ def test_a_box_computes_alone_and_equals_the_file(tmp_path_factory, layout, cach
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_what_is_computed_from_a_box_or_a_step_streams_and_equals_numpy(tmp_path_factory, steps, data, op, axis,
                                                                        cached):
-    """A box's (``vol[3:40]``) or a step's (``vol[::4, ::4]``) reductions, maps and elementwise operations
-    (and a step's ``compute()``) run as a streamed map of the chunks it picks from, each cut to it: no
-    dask task a chunk, only those chunks read, values as NumPy's."""
+    """A box's (``vol[3:40]``), a plane's (``vol[5]``) or a step's (``vol[::4, ::4]``) reductions, maps
+    and elementwise operations (and a step's ``compute()``) run as a streamed map of the chunks it picks
+    from, each cut to it: no dask task a chunk, only those chunks read, values as NumPy's."""
     shape, chunks, box = data.draw(boxes(steps=steps), label="layout")
-    box = _as_slices(box, shape)  # (no plane)
+    assume(not all(isinstance(b, int) for b in box))  # (one element: dask's, a scalar)
     values = np.random.default_rng(7).integers(0, 999, shape).astype("<u2")
     cache = gpulazy.DeviceCache("1 MiB", device="cpu") if cached else False
     vol = _vol(tmp_path_factory.mktemp("bx"), values, chunks, cache=cache)
@@ -438,7 +439,7 @@ def test_what_is_computed_from_a_box_or_a_step_streams_and_equals_numpy(tmp_path
         assert r.compute_path == "fast"
         np.testing.assert_allclose(got, numpys(want), rtol=1e-6)
         picked = 1
-        for n, c, s in zip(shape, chunks, box):
+        for n, c, s in zip(shape, chunks, _as_slices(box, shape)):
             picked *= sum(1 for lo in range(0, n, c) if any(lo <= i < lo + c for i in range(n)[s]))
         assert gpulazy.stats().snapshot()["bytes_read"] - before <= picked * np.prod(chunks) * 2
     finally:
@@ -500,7 +501,9 @@ def test_a_box_s_reductions_and_maps_stream_on_the_gpu(tmp_path):
                     (part.astype("f4").mean(axis=(1, 2)), data[3:30, 5:33].astype("f4").mean(axis=(1, 2))),
                     ((part * 2).sum(axis=0), (data[3:30, 5:33] * 2).sum(axis=0)),
                     (part.map_blocks(lambda b: b // 3), data[3:30, 5:33] // 3),
-                    (vol[::3, ::2, 1::5], data[::3, ::2, 1::5]), (vol[::4].max(axis=0), data[::4].max(axis=0))):
+                    (vol[::3, ::2, 1::5], data[::3, ::2, 1::5]), (vol[::4].max(axis=0), data[::4].max(axis=0)),
+                    (vol[7].max(), data[7].max()), (vol[:, 9].astype("f8").std(axis=0), data[:, 9].std(axis=0)),
+                    (vol[5, ::2, ::3], data[5, ::2, ::3]), (vol[20] - 7, data[20] - 7)):
         got = r.compute()
         assert r.compute_path == "fast" and type(got).__module__.startswith("cupy")
         np.testing.assert_allclose(to_host(got), want, rtol=1e-5)
@@ -514,8 +517,10 @@ def test_a_box_cut_along_axis_0_reads_only_its_planes(tmp_path, device):
     got = to_host(vol[3:35].compute())
     assert gpulazy.stats().snapshot()["bytes_read"] - before == 32 * 6 * 5 * 2  # planes 3-34, no more
     np.testing.assert_array_equal(got, data[3:35])
-    # Cut across axis 1 too: those chunks are read whole, and the values agree.
+    # Cut across axis 1 too: the same planes are read, and the part of them the box needs copied out.
+    before = gpulazy.stats().snapshot()["bytes_read"]
     np.testing.assert_array_equal(to_host(vol[3:35, 1:4].compute()), data[3:35, 1:4])
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == 32 * 6 * 5 * 2
     # What is computed from the box reads its planes alone too (its cut along axis 1 made after the read).
     for made, want in ((vol[3:35].max(axis=0), data[3:35].max(axis=0)),
                        ((vol[3:35, 1:4] * 2).sum(axis=0), (data[3:35, 1:4] * 2).sum(axis=0))):
@@ -529,14 +534,20 @@ def test_a_box_cut_along_axis_0_reads_only_its_planes(tmp_path, device):
 def test_a_plane_reads_only_its_bytes_and_drops_its_axis(tmp_path, device):
     data = np.random.default_rng(6).integers(0, 999, (40, 6, 5)).astype(">u2")
     vol = _vol(tmp_path, data, (16, 6, 5), device=device)
-    for index, nbytes in ((20, 6 * 5 * 2), (-1, 6 * 5 * 2), ((slice(None), 2), 40 * 6 * 5 * 2), ((7, slice(1, 3)), 16 * 6 * 5 * 2)):
+    for index, nbytes in ((20, 60), (-1, 60), ((slice(None), 2), 40 * 60), ((7, slice(1, 3)), 60)):
         before = gpulazy.stats().snapshot()["bytes_read"]
         plane = vol[index]
         got = plane.compute()
         assert plane.compute_path == "fast"
         assert type(got) is type(vol._meta) and got.shape == data[index].shape
         np.testing.assert_array_equal(to_host(got), data[index])
-        # A plane across axis 0 is its own bytes; a cut across a later axis reads the chunks it meets whole.
+        # A plane across axis 0 is its own bytes, cut along later axes too; one across axis 1 reads the
+        # chunks it meets whole.
+        assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes
+        # What is computed from it streams (``vol[20].max()``), reading the same.
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        peak = plane.max()
+        assert to_host(peak.compute()) == data[index].max() and peak.compute_path == "fast"
         assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes
 
 

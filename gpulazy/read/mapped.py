@@ -386,8 +386,9 @@ class MapBlocks:
         block = self.call(chunk, spec.index)
         xp = self.dev.xp
         declared = tuple(c[i] for c, i in zip(self.chunks, spec.index))  # (its ``chunks=``, or the chunk's)
-        if not isinstance(block, xp.ndarray) or block.ndim != chunk.ndim or any(
-                block.shape[a] != declared[a] for a in range(chunk.ndim) if a not in self.axis):
+        # (a plane's cut drops the axes its integers index: the declared blocks give the dimensions)
+        if not isinstance(block, xp.ndarray) or block.ndim != len(declared) or any(
+                block.shape[a] != declared[a] for a in range(len(declared)) if a not in self.axis):
             name = getattr(self.func, "__name__", repr(self.func))
             got = f"a {type(block).__module__}.{type(block).__name__} of shape {getattr(block, 'shape', ())}"
             raise ValueError(f"map_blocks({name}) gave {got} for block {spec.index} (shape {declared}) of "

@@ -32,7 +32,8 @@ raw file read whole with KvikIO into one buffer, then the same CuPy operation); 
 compressed chunk decoding its first planes alone). Beside their gpulazy ways, the same work through
 dask's tasks in the same run: ``plane_int`` (``vol[half]``, a box read) against ``plane_dask``
 (``da.Array.__getitem__``), and ``np_mip`` (``np.max(vol, axis=0)``, the streamed MIP) against
-``mip_dask`` (``da.max``, dask's reduction), ``slice_mip`` (``[1:half+1].max(axis=0)``, streamed
+``mip_dask`` (``da.max``, dask's reduction), ``tile`` (``vol[half, :s/2, :s/2]``, a viewer's tile) against
+``tile_dask``, ``plane_max`` (``vol[half].max()``, streamed) against ``plane_max_dask``, ``slice_mip`` (``[1:half+1].max(axis=0)``, streamed
 over the chunks the box meets) against ``slice_mip_dask``, and ``preview`` (``[::4, ::4, ::4]``) against
 ``preview_dask``. Every result is checked against the
 generated volume.
@@ -423,6 +424,14 @@ OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
     # (``_measure_op`` warms an op up on the first planes alone: their last plane there.)
     "plane_int": ("[half]", lambda a, g: a[min(g.half, a.shape[0] - 1)]),
     "plane_dask": ("[half] by dask's tasks", lambda a, g: _dask_getitem(a, min(g.half, a.shape[0] - 1))),
+    # A viewer's tile of that plane (its top-left quarter): a chunk of planes stored as is reads the
+    # plane alone whatever the tile cuts along the later axes; beside dask's getitem tasks.
+    "tile": ("[half, :s/2, :s/2]", lambda a, g: a[_tile(a, g)]),
+    "tile_dask": ("[half, :s/2, :s/2] by dask", lambda a, g: _dask_getitem(a, _tile(a, g))),
+    # The plane's brightest pixel (a contrast limit): a streamed map of the chunks the plane cuts; beside
+    # dask's getitem tasks and reduction.
+    "plane_max": ("[half].max()", lambda a, g: a[min(g.half, a.shape[0] - 1)].max()),
+    "plane_max_dask": ("[half].max() by dask", lambda a, g: _dask_getitem(a, min(g.half, a.shape[0] - 1)).max()),
     # NumPy's function (``vol.max``'s streamed reduction) against dask's ``da.max`` (dask's tasks).
     "np_mip": ("np.max(vol, axis=0)", lambda a, g: np.max(a, axis=0)),
     "mip_dask": ("da.max(vol, axis=0)", lambda a, g: _dask_max(a)),
@@ -435,6 +444,10 @@ OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
     "preview": ("[::4, ::4, ::4]", lambda a, g: a[::4, ::4, ::4]),
     "preview_dask": ("[::4, ::4, ::4] by dask", lambda a, g: _dask_getitem(a, (slice(None, None, 4),) * 3)),
 }
+
+
+def _tile(a: Any, g: Geometry) -> tuple:
+    return min(g.half, a.shape[0] - 1), slice(0, g.side // 2), slice(0, g.side // 2)
 
 
 def _dask_getitem(a: Any, index: Any) -> Any:
@@ -458,7 +471,8 @@ TARGET_OPS = ("mip", "slice", "astype_sum", "mean")
 def op_bytes(op: str, g: Geometry) -> int:
     """Source bytes an operation reads: the slice reads half the planes, the plane one, the others all."""
     return {"slice": g.half * g.plane, "slice_mip": g.half * g.plane, "slice_mip_dask": g.half * g.plane,
-            "plane": g.plane, "plane_int": g.plane, "plane_dask": g.plane}.get(op, g.nbytes)
+            "plane": g.plane, "plane_int": g.plane, "plane_dask": g.plane, "tile": g.plane // 4,
+            "tile_dask": g.plane // 4, "plane_max": g.plane, "plane_max_dask": g.plane}.get(op, g.nbytes)
 
 
 def _planes_equal(out: Any, first: int, g: Geometry, times: int = 1) -> bool:
@@ -484,6 +498,11 @@ def check_op(op: str, out: Any, g: Geometry) -> bool:
     """``out`` equals the operation on the generated volume (sums of integers below 2**53 are exact in f8)."""
     if op in ("plane_int", "plane_dask"):
         return tuple(out.shape) == (g.side, g.side) and _planes_equal(out[None], g.half, g)
+    if op in ("tile", "tile_dask"):
+        h = g.side // 2
+        return tuple(out.shape) == (h, h) and np.array_equal(_host(out), plane(g.half, g.side)[:h, :h])
+    if op in ("plane_max", "plane_max_dask"):
+        return int(_host(out)) == int(plane(g.half, g.side).max())
     if op in ("preview", "preview_dask"):
         n, m = len(range(0, g.n, 4)), len(range(0, g.side, 4))
         host = _host(out)
@@ -558,6 +577,10 @@ def raw_op(op: str, path: str, g: Geometry, device: str) -> Callable[[], Any]:
         return lambda: read_raw(path, g, device, g.half, 1)
     if op in ("plane_int", "plane_dask"):
         return lambda: read_raw(path, g, device, g.half, 1)[0]
+    if op in ("tile", "tile_dask"):
+        return lambda: read_raw(path, g, device, g.half, 1)[0, :g.side // 2, :g.side // 2]
+    if op in ("plane_max", "plane_max_dask"):
+        return lambda: read_raw(path, g, device, g.half, 1)[0].max()
     fn = OPS[op][1]
     return lambda: fn(read_raw(path, g, device), g)
 

@@ -70,9 +70,11 @@ def test_checks_catch_wrong_results(bench):
     for op, (_, fn) in bench.OPS.items():
         assert bench.check_op(op, fn(vol, g), g), op
     bad = vol.copy()
-    bad[4, 4, 8] = vol[:, 4, 8].max() + 1  # in the slice [1:5], the plane [4] and the preview, above the MIP
+    bad[4, 4, 8] = vol[:, 4, 8].max() + 1  # in the slice [1:5], the plane [4], its tile and the preview, above the MIP
+    brighter = vol.copy()
+    brighter[4, 4, 8] = vol[4].max() + 1  # above the plane's max
     for op, (_, fn) in bench.OPS.items():
-        assert not bench.check_op(op, fn(bad, g), g), op
+        assert not bench.check_op(op, fn(brighter if op.startswith("plane_max") else bad, g), g), op
     assert bench.check_whole(vol, g) and not bench.check_whole(vol[::-1], g)
     assert bench.op_bytes("slice", g) == 4 * 32 * 32 * 2 and bench.op_bytes("mean", g) == g.nbytes
     assert bench.op_bytes("plane", g) == 32 * 32 * 2
@@ -83,7 +85,7 @@ def test_derived_rows_and_references(bench, tmp_path, capsys):
     assert bench.main(TINY + ["--only", "raw,tiff,zarr-3d,hdf5", "--derived", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["ops"] == ["mip", "slice", "astype_sum", "mean", "plane", "map", "map_mip", "plane_int", "plane_dask",
-                           "np_mip", "mip_dask", "slice_mip", "slice_mip_dask", "preview",
+                           "tile", "tile_dask", "plane_max", "plane_max_dask", "np_mip", "mip_dask", "slice_mip", "slice_mip_dask", "preview",
                            "preview_dask"]
     assert data["planes"] == 8 and data["side"] == 64
     assert all(r["correct"] for r in data["raw_refs"].values())
@@ -182,7 +184,7 @@ def test_gpu_session_formats_mode(tmp_path):
     data = json.loads((tmp_path / "out" / "formats.json").read_text())
     assert [row["format"] for row in data["rows"]] == ["raw", "zarr-zstd-3d"]
     assert data["ops"] == ["mip", "slice", "astype_sum", "mean", "plane", "map", "map_mip", "plane_int", "plane_dask",
-                           "np_mip", "mip_dask", "slice_mip", "slice_mip_dask", "preview",
+                           "tile", "tile_dask", "plane_max", "plane_max_dask", "np_mip", "mip_dask", "slice_mip", "slice_mip_dask", "preview",
                            "preview_dask"] and data["side"] == 64
     assert all(r["correct"] for row in data["rows"] for r in row["ops"].values())
     assert "budget 120 s" in (tmp_path / "out" / "formats.log").read_text()

@@ -334,7 +334,9 @@ def _array_class() -> type:
 
                 return run_stream(*chain, threaded=_threaded(kwargs))
             mapped = _map_of(self)
-            if mapped is not None and _local_compute(kwargs):
+            # (a progress bar is told of one read a block: a block of two arrays' chunks goes to dask)
+            if mapped is not None and _local_compute(kwargs) and not (
+                    _active_callbacks(kwargs) and isinstance(next(iter(mapped[1].values())), tuple)):
                 self.compute_path = "fast"
                 return self._map_with_hooks(mapped, kwargs)
             if self._fast_path_ok(kwargs):
@@ -408,16 +410,36 @@ def _array_class() -> type:
 
         def _gl_elementwise(self, out: Any, op: Any, args: tuple, kwargs: dict) -> Any:
             """``out``, dask's ``op(*args, **kwargs)`` a block at a time, streamed when it is ``op`` of this
-            array's blocks, scalars and arrays in memory that broadcast to a part of it (``vol * 2``,
-            ``np.sqrt(vol)``, ``(vol - dark) / gain`` with ``dark`` a plane): values, dtype and name are
-            dask's own, each block's ``op`` called with what dask's task for it gets (an array's part
+            array's blocks, scalars, arrays in memory that broadcast to a part of it (``vol * 2``,
+            ``np.sqrt(vol)``, ``(vol - dark) / gain`` with ``dark`` a plane) and at most one other gpulazy
+            array whose chunks stream beside this one's (``a - b``, ``_pairs_with``): values, dtype and name
+            are dask's own, each block's ``op`` called with what dask's task for it gets (an array's part
             of that block)."""
             if (out is NotImplemented or kwargs or not config.get("streamed_maps") or _files_of(self) is None
-                    or getattr(out, "numblocks", None) != self.numblocks or out.shape != self.shape
-                    or not all(a is self or _scalar(a) or _in_memory(a, self.shape) for a in args)):
+                    or getattr(out, "numblocks", None) != self.numblocks or out.shape != self.shape):
                 return out
-            marked = tuple(_BLOCK if a is self else a if _scalar(a) else _Part(a) for a in args)
-            return self._gl_as_map(out, _Elementwise(op, marked, self.chunks), {})
+            others = [a for a in args if not (a is self or _scalar(a) or _in_memory(a, self.shape))]
+            partner = others[0] if len(others) == 1 and _pairs_with(self, others[0]) else None
+            if others and partner is None:
+                return out
+            marked = tuple(_BLOCK if a is self else _PARTNER if a is partner else a if _scalar(a) else _Part(a)
+                           for a in args)
+            func = _Elementwise(op, marked, self.chunks)
+            return self._gl_as_map(out, func, {}) if partner is None else self._gl_as_pair(out, partner, func)
+
+        def _gl_as_pair(self, out: Any, other: Any, func: Any) -> Any:
+            """``out``, dask's array of ``func`` of this array's and ``other``'s blocks (``_pairs_with``), as
+            a streamed map whose blocks are pairs of chunks read in one pass (``gpulazy.read.pairs``)."""
+            specs, source, first = _files_of(self)
+            theirs, _, second = _files_of(other)
+            # ``other``'s chunks as objects of their own (same bytes, same keys): a pair tells its chunks
+            # apart by identity, and ``a.map_blocks(f) - a`` pairs a file's chunks with themselves.
+            pairs = {i: (spec, theirs[i].at(i)) for i, spec in specs.items()}
+            if first is not None or second is not None:  # each side's own map first (``vol * 2 - other``)
+                func = _Then((_Both(first, second), {}), (func, {}))
+            mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
+            mapped._gl_map_of = (out.name, pairs, source, out.chunks, func, {}, self.name)
+            return mapped
 
         @property
         def _elemwise(self) -> Any:
@@ -595,16 +617,21 @@ class _Cut:
 
 
 class _BlockMark:
-    """Where an elementwise operation's block goes among its arguments (``_Elementwise``)."""
+    """Where an elementwise operation's block goes among its arguments (``_Elementwise``): this array's,
+    or the other array's of a pair (``a - b``)."""
+
+    def __init__(self, name: str):
+        self.name = name
 
     def __repr__(self) -> str:
-        return "<block>"
+        return f"<{self.name}>"
 
     def __reduce__(self):
-        return "_BLOCK"  # one mark in every process
+        return self.name  # one mark in every process
 
 
-_BLOCK = _BlockMark()
+_BLOCK = _BlockMark("_BLOCK")
+_PARTNER = _BlockMark("_PARTNER")
 
 
 class _Part:
@@ -622,19 +649,34 @@ class _Part:
 
 
 class _Elementwise:
-    """``op(*args)`` with each ``_BLOCK`` the block and each ``_Part`` its part of the block: what
-    dask's elementwise task of the block calls. Called with the block's ``index`` (``takes_index``)."""
+    """``op(*args)`` with each ``_BLOCK`` the block, each ``_PARTNER`` the other array's block (the block
+    is then the pair of them) and each ``_Part`` its part of the block: what dask's elementwise task of
+    the block calls. Called with the block's ``index`` (``takes_index``)."""
 
     takes_index = True
 
     def __init__(self, op: Any, args: tuple, chunks: tuple):
         self.op, self.args = op, args
+        self.paired = any(a is _PARTNER for a in args)
         self.edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
         self.__name__ = getattr(op, "__name__", "elementwise")
 
     def __call__(self, block: Any, index: tuple[int, ...]) -> Any:
-        return self.op(*(block if a is _BLOCK else a.of(self.edges, index) if isinstance(a, _Part) else a
-                         for a in self.args))
+        mine, theirs = block if self.paired else (block, None)
+        return self.op(*(mine if a is _BLOCK else theirs if a is _PARTNER else a.of(self.edges, index)
+                         if isinstance(a, _Part) else a for a in self.args))
+
+
+def _pairs_with(arr: Any, other: Any) -> bool:
+    """Whether ``other``'s blocks can stream beside ``arr``'s in one pass (``a - b``): a gpulazy array of
+    files (or a streamed map of them) with ``arr``'s chunks, read through the same source (device,
+    backend, cache, ``verify``), neither of them a pair already."""
+    if not isinstance(other, _array_class()) or other.chunks != arr.chunks:
+        return False
+    mine, theirs = _files_of(arr), _files_of(other)
+    if mine is None or theirs is None or mine[1] != theirs[1]:
+        return False
+    return not any(isinstance(next(iter(files[0].values())), tuple) for files in (mine, theirs))
 
 
 def _in_memory(value: Any, shape: tuple[int, ...]) -> bool:
@@ -733,9 +775,27 @@ class _Then:
         self.__name__ = f"{getattr(then[0], '__name__', 'func')}-of-{getattr(first[0], '__name__', 'func')}"
 
     def __call__(self, chunk: Any, index: tuple[int, ...]) -> Any:
-        (f, fkw), (g, gkw) = self.first, self.then
-        inner = f(chunk, index=index, **fkw) if getattr(f, "takes_index", False) else f(chunk, **fkw)
-        return g(inner, index=index, **gkw) if getattr(g, "takes_index", False) else g(inner, **gkw)
+        return _apply(self.then, _apply(self.first, chunk, index), index)
+
+
+class _Both:
+    """Each array's own streamed map of a block of two arrays' chunks (``vol * 2 - other``): the pair
+    ``(f(a's chunk), g(b's chunk))``, a side without a map (``None``) as it is."""
+
+    takes_index = True
+
+    def __init__(self, first: tuple | None, second: tuple | None):
+        self.sides = (first, second)
+        self.__name__ = "both"
+
+    def __call__(self, pair: tuple, index: tuple[int, ...]) -> tuple:
+        return tuple(chunk if side is None else _apply(side, chunk, index) for side, chunk in zip(self.sides, pair))
+
+
+def _apply(mapping: tuple, chunk: Any, index: tuple[int, ...]) -> Any:
+    """``f(chunk, **kwargs)`` of a map's ``(f, kwargs)``, given ``index`` too when it ``takes_index``."""
+    f, kwargs = mapping
+    return f(chunk, index=index, **kwargs) if getattr(f, "takes_index", False) else f(chunk, **kwargs)
 
 
 def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof: int, cast: Any) -> Any:

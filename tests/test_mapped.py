@@ -652,8 +652,9 @@ def test_chains_of_casts_and_ops_stream_and_what_needs_more_than_the_block_does_
     other, _ = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=1)
     changed = vol.copy()
     changed[0, 0, 0] = 1
+    third, _ = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=2)
     not_streamed = {
-        "two files' arrays": vol + other,
+        "three files' arrays": vol + other + third,
         "an array that grows the result": vol + np.ones((2, 12, 6, 10), "u2"),
         "a ufunc keyword": np.add(vol, 1, dtype="f8"),
         "a changed array": changed * 2,
@@ -702,3 +703,111 @@ def test_arrays_in_memory_among_the_operands_give_each_block_its_part(tmp_path, 
         with gpulazy.config.set(streamed_maps=False):
             np.testing.assert_array_equal(fn(vol).compute(scheduler=scheduler), got, err_msg=what)  # dask's own
         np.testing.assert_array_equal(arr.max(axis=0).compute(scheduler=scheduler), want.max(axis=0), err_msg=what)
+
+
+_PAIRED = {
+    "a - b": (lambda a, b: a - b, lambda a, b: a - b),
+    "np.maximum(a, b)": (lambda a, b: np.maximum(a, b), lambda a, b: np.maximum(a, b)),
+    "(a.astype(f4) - b) / 2": (lambda a, b: (a.astype("f4") - b) / 2, lambda a, b: (a.astype("f4") - b) / 2),
+    "a * 2 - b.map_blocks(f)": (lambda a, b: a * 2 - b.map_blocks(lambda x: x // 3),
+                                lambda a, b: a * 2 - b // 3),
+    "b > a": (lambda a, b: b > a, lambda a, b: b > a),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), op=st.sampled_from(sorted(_PAIRED)), then=st.sampled_from(["compute", "max0", "sum", "mean12"]),
+       capacity=st.sampled_from([None, "2 KiB", "1 MiB"]), scheduler=st.sampled_from(["sync", "threads"]))
+def test_an_operation_between_two_arrays_streams_both_in_one_pass(tmp_path_factory, data, op, then, capacity,
+                                                                 scheduler):
+    """``a - b`` of two arrays of files with the same chunks, read through the same source: one streamed
+    pass reads both, each block's operation called once both its chunks have landed; its reductions
+    stream too. Values as dask's; each chunk read once (a cache holding some of them reads those not)."""
+    shape = data.draw(st.tuples(st.integers(1, 7), st.integers(1, 5), st.integers(1, 4)), label="shape")
+    chunks = tuple(data.draw(st.integers(1, n)) for n in shape)
+    path = tmp_path_factory.mktemp("pair")
+    cache = DeviceCache(capacity, device="cpu") if capacity else False
+    try:
+        a, av = _volume(path, shape=shape, chunks=chunks, seed=1, cache=cache)
+        b, bv = _volume(path, shape=shape, chunks=chunks, seed=2, cache=cache)
+        if capacity:  # some of ``a``'s chunks cached: a block of a hit and a read
+            a[: chunks[0]].map_blocks(lambda x: x).compute(scheduler="sync")
+        ours, numpys = _PAIRED[op]
+        made = {"compute": lambda r: r, "max0": lambda r: r.max(axis=0), "sum": lambda r: r.sum(),
+                "mean12": lambda r: r.mean(axis=(1, 2))}[then]
+        paired = ours(a, b)
+        assert paired._gl_map_of is not None and isinstance(next(iter(paired._gl_map_of[1].values())), tuple)
+        r = made(paired)
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        got = r.compute(scheduler=scheduler)
+        assert r.compute_path == "fast"
+        read = gpulazy.stats().snapshot()["bytes_read"] - before
+        assert read <= av.nbytes + bv.nbytes and (capacity or read == av.nbytes + bv.nbytes)
+        want = made(numpys(av, bv))
+        assert got.dtype == np.asarray(want).dtype
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        with gpulazy.config.set(streamed_maps=False):  # dask's own tasks agree
+            np.testing.assert_allclose(made(ours(a, b)).compute(scheduler=scheduler), want, rtol=1e-6)
+    finally:
+        if capacity:
+            cache.close()
+
+
+def test_two_arrays_that_cannot_stream_together_are_dask_s_and_right(tmp_path):
+    a, av = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=1)
+    b, bv = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=2)
+    other_chunks, cv = _volume(tmp_path, shape=(12, 6, 10), chunks=(4, 6, 5), seed=3)
+    other_cache, dv = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=4, cache=False)
+    cases = {
+        "other chunks": (a - other_chunks, av - cv),
+        "another cache": (a - other_cache, av - dv),
+        "a pair and a third array": ((a - b) + a.map_blocks(lambda x: x), av - bv + av),
+    }
+    for what, (arr, want) in cases.items():
+        assert getattr(arr, "_gl_map_of", None) is None, what
+        np.testing.assert_array_equal(arr.compute(), want, err_msg=what)
+    assert (a - b)._gl_map_of is not None and (a.map_blocks(lambda x: x) - a)._gl_map_of is not None
+    # A file's chunks paired with themselves: each read twice, and the values right.
+    np.testing.assert_array_equal((a.map_blocks(lambda x: x // 2) - a).sum(axis=0).compute(), (av // 2 - av).sum(axis=0))
+
+
+def test_a_pair_with_a_progress_bar_is_dask_s(tmp_path):
+    """A progress bar hears of one read a block from a streamed map: a block of two arrays' chunks goes to
+    dask's tasks, which it follows as ever."""
+    a, av = _volume(tmp_path, seed=1)
+    b, bv = _volume(tmp_path, seed=2)
+    seen = []
+
+    class Count(Callback):
+        def _posttask(self, key, result, dsk, state, id):
+            seen.append(key)
+
+    diff = a - b
+    with Count():
+        got = diff.compute(scheduler="sync")
+    assert diff.compute_path == "dask" and seen
+    np.testing.assert_array_equal(got, av - bv)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_pair_whose_second_file_changed_raises_naming_it(tmp_path, reduced):
+    a, _ = _volume(tmp_path, seed=1, cache=False)
+    b, _ = _volume(tmp_path, seed=2, cache=False)
+    os.truncate(tmp_path / "v2.raw", 100)
+    r = (a - b).sum() if reduced else a - b
+    with pytest.raises(ChunkReadError, match="v2.raw.*changed since it was indexed"):
+        r.compute()
+
+
+@pytest.mark.gpu
+def test_an_operation_between_two_arrays_streams_on_the_gpu(tmp_path):
+    import cupy
+
+    a, av = _volume(tmp_path, shape=(40, 64, 48), chunks=(8, 32, 48), seed=1, device="cuda:0")
+    b, bv = _volume(tmp_path, shape=(40, 64, 48), chunks=(8, 32, 48), seed=2, device="cuda:0")
+    fa = av.astype("f4")
+    for r, want in (((a.astype("f4") - b), fa - bv), (np.maximum(a, b).max(axis=0), np.maximum(av, bv).max(axis=0)),
+                    ((a.astype("f4") - b * 2).mean(axis=(1, 2)), (fa - bv * 2).mean(axis=(1, 2)))):
+        got = r.compute()
+        assert r.compute_path == "fast" and isinstance(got, cupy.ndarray)
+        np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-5)

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from gpulazy.device import Device, get_device
+from gpulazy.read.pairs import Pairs, members
 from gpulazy.read.whole import STAGED, groups_by_bytes, held_bytes, inflight_room, read_in_order
 from gpulazy.spec import ChunkSpec
 
@@ -63,20 +64,28 @@ def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dic
     dev = get_device(source.device)
     cache = source.cache_instance()
     backend = source.backend_instance()
+    pairs = Pairs(specs.values())  # (a block of two arrays' chunks is mapped once both have landed)
+    flat = [spec for unit in specs.values() for spec in members(unit)]
     with dev.activate():
         result = _Result(chunks, dtype, dev)
         calls = _Calls(func, kwargs, result, workers(dev, threaded), dev, hooks)
+
+        def put(spec: ChunkSpec, arr: Any) -> None:
+            block = pairs.add(spec, arr)
+            if block is not None:
+                calls.map(*block)
+
         try:
-            cached, todo = _split(list(specs.values()), cache)
+            cached, todo = _split(flat, cache)
             hits = _hits(cached, source, cache)  # (a generator: mapped once, then empty)
-            offer = cache is not None and cache.keeps(sum(s.out_nbytes for s in specs.values()))
+            offer = cache is not None and cache.keeps(sum(s.out_nbytes for s in flat))
 
             def landed(spec: ChunkSpec, arr: Any) -> None:
                 for hit in hits:  # mapped once the first reads are in flight
-                    calls.map(*hit)
+                    put(*hit)
                 if offer:
                     arr = cache.get(spec, lambda s, a=arr: a)  # kept; ``func`` gets a copy
-                calls.map(spec, arr)
+                put(spec, arr)
 
             if todo:
                 # In the calling thread: with the reads waited for and finished on a thread of their
@@ -85,7 +94,8 @@ def run_map(specs: dict, source: Any, chunks: tuple, func: Callable, kwargs: dic
                 read_in_order(todo, backend, source.verify, landed, max(STAGED, inflight_room(dev), 2 * largest),
                               each=True)
             for hit in hits:  # (nothing was read)
-                calls.map(*hit)
+                put(*hit)
+            pairs.check_done()
         except BaseException:
             calls.close(cancel=True)
             raise

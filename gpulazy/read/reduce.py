@@ -31,6 +31,7 @@ import numpy as np
 from gpulazy.device import Device, get_device, own_stream
 from gpulazy.read import whole
 from gpulazy.read.mapped import MapBlocks
+from gpulazy.read.pairs import Pairs, members
 from gpulazy.read.whole import groups_by_bytes, held_bytes, inflight_room
 from gpulazy.spec import ChunkSpec
 
@@ -59,16 +60,25 @@ MOST_GROUP = 1 << 30
 DECODE_GROUP = 512 << 20
 
 
-def groups_of(specs: dict) -> list[tuple[ChunkSpec, ...]]:
-    """The chunks of ``specs`` in block order, in groups of about ``GROUP`` stored bytes (more for an
-    array of more than ``STEPS`` groups; at least ``DECODE_GROUP`` for chunks that decode), none
-    decoding to more than ``MOST_GROUP`` bytes (one chunk always): one step each."""
-    wanted = [spec for spec in specs.values() if math.prod(spec.shape)]
-    size = max(whole.GROUP, -(-sum(s.nbytes for s in wanted) // STEPS))
-    if any(s.codec is not None for s in wanted):
+def groups_of(specs: dict) -> list[tuple]:
+    """The blocks of ``specs`` (a chunk each, or a pair of two arrays' chunks: ``pairs``) in block
+    order, in groups of about ``GROUP`` stored bytes (more for an array of more than ``STEPS`` groups;
+    at least ``DECODE_GROUP`` for chunks that decode), none decoding to more than ``MOST_GROUP`` bytes
+    (one block always): one step each."""
+    wanted = [unit for unit in specs.values() if math.prod(members(unit)[0].shape)]
+    size = max(whole.GROUP, -(-sum(map(_stored, wanted)) // STEPS))
+    if any(s.codec is not None for unit in wanted for s in members(unit)):
         size = max(size, DECODE_GROUP)
-    groups = groups_by_bytes(wanted, lambda s: s.nbytes, size, bound=(lambda s: s.out_nbytes, MOST_GROUP))
+    groups = groups_by_bytes(wanted, _stored, size, bound=(_decoded, MOST_GROUP))
     return [tuple(g) for g in groups]
+
+
+def _stored(unit: Any) -> int:
+    return sum(s.nbytes for s in members(unit))
+
+
+def _decoded(unit: Any) -> int:
+    return sum(s.out_nbytes for s in members(unit))
 
 
 class ReduceStream:
@@ -91,16 +101,18 @@ class ReduceStream:
 
         self.groups, self.source, self.chunks, self.axis = groups, source, chunks, axis
         self.mapping = mapping  # (func, kwargs): a streamed map's function, called on each chunk first
+        self.pairs = Pairs(unit for g in groups for unit in g)  # (a pair's block folds once both have landed)
         self.dev = get_device(source.device)
         self.blocks = None if mapping is None else MapBlocks(mapping, chunks, axis, self.dev)
         self.backend = source.backend_instance()
         self.cache = source.cache_instance()
         # A reduction over more bytes than its cache holds offers it nothing it reads: each chunk
         # would be copied in and evicted before any reuse (``DeviceCache.keeps``).
-        self.offer = self.cache is not None and self.cache.keeps(sum(s.out_nbytes for g in groups for s in g))
+        flat = [s for g in groups for unit in g for s in members(unit)]
+        self.offer = self.cache is not None and self.cache.keeps(sum(s.out_nbytes for s in flat))
         with self.dev.activate():
             self.acc = _Accumulator(op, chunks, axis, dtype, cast, ddof, self.dev)
-        largest = max((s.out_nbytes + s.nbytes for g in groups for s in g), default=0)
+        largest = max((s.out_nbytes + s.nbytes for s in flat), default=0)
         self.limit = max(int(config.get("read_ahead")), inflight_room(self.dev), 2 * largest)
         # group -> (reads, misses, bytes, what waits until its chunks are decoded)
         self.pending: dict[int, tuple[Any, list[ChunkSpec], int, Any]] = {}
@@ -128,6 +140,7 @@ class ReduceStream:
         return self
 
     def result(self, keepdims: bool) -> Any:
+        self.pairs.check_done()
         with self.dev.activate():
             out = self.acc.result()
         if keepdims:
@@ -160,7 +173,7 @@ class ReduceStream:
     def _submit(self, j: int) -> None:
         from gpulazy.read.engine import start_retrying
 
-        group = list(self.groups[j])
+        group = [s for unit in self.groups[j] for s in members(unit)]
         misses = self._fold_cached(group) if self.cache is not None else group
         reads = None
         if misses:
@@ -203,11 +216,12 @@ class ReduceStream:
                 self.cache.get(spec, lambda s, a=arr: a)  # kept (one copy) when there is room
 
     def _fold_mapped(self, chunks: list[tuple[ChunkSpec, Any]], offer: bool) -> None:
-        """Fold the map's block of each chunk, in block order. Chunks read are offered to the cache
-        first (the map's function may write into its input; the cache keeps the chunk and hands out a
-        copy)."""
+        """Fold the map's block of each chunk (of each pair of chunks once both are in), in block order.
+        Chunks read are offered to the cache first (the map's function may write into its input; the
+        cache keeps the chunk and hands out a copy)."""
         if offer:
             chunks = [(spec, self.cache.get(spec, lambda s, a=arr: a)) for spec, arr in chunks]
+        chunks = [block for block in (self.pairs.add(spec, arr) for spec, arr in chunks) if block is not None]
         with own_stream(self.dev):  # one wait for the group's calls and folds
             for spec, block in self.blocks.made(chunks):
                 self.acc.fold(spec, block)
@@ -244,8 +258,9 @@ def _rebuilt(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis
 
 
 def _bytes(specs: Any) -> int:
-    """Bytes the engine holds for ``specs`` until they are folded (their arrays, their stored bytes)."""
-    return sum(held_bytes(s) for s in specs)
+    """Bytes the engine holds for ``specs`` (chunks, or blocks: ``groups_of``) until they are folded
+    (their arrays, their stored bytes)."""
+    return sum(held_bytes(s) for unit in specs for s in members(unit))
 
 
 def stream_start(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,

@@ -133,9 +133,15 @@ def _agree(xp: Any, ours: Any, ref: Any) -> bool:
 
 
 def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable, paths: list[str], plane_bytes: int,
-                  total: int) -> dict[str, tuple[Callable, Callable, Callable, int, str]]:
+                  total: int, pair: tuple[Any, Any]) -> dict[str, tuple[Callable, Callable, Callable, int, str]]:
     """The issue-20 rows: name -> (gpulazy, raw KvikIO + the same op, naive dask, source bytes, whole row)."""
     half = len(paths) // 2
+    a, b = pair
+
+    def raw_pair() -> Any:
+        planes = rawv()
+        return (planes[:half] - planes[half:2 * half]).max(axis=0)
+
     return {
         "MIP max(axis=0)": (lambda: vol.max(axis=0).compute(), lambda: rawv().max(axis=0),
                             lambda: naive.max(axis=0).compute(), total, "planes compute()"),
@@ -158,6 +164,11 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
                                           lambda: _twice(rawv()).max(axis=0),
                                           lambda: naive.map_blocks(_twice, dtype=naive.dtype).max(axis=0).compute(),
                                           total, "planes compute()"),
+        # Two arrays (the first and second half of the files): both read in one streamed pass, each
+        # block's difference made once both its chunks have landed (``gpulazy.read.pairs``).
+        "(a - b).max(axis=0), two arrays": (lambda: (a - b).max(axis=0).compute(), raw_pair,
+                                            lambda: (naive[:half] - naive[half:2 * half]).max(axis=0).compute(),
+                                            2 * half * plane_bytes, "planes compute()"),
     }
 
 
@@ -238,7 +249,9 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
 
         row("one file compute()", lambda: big.compute(), lambda: raw([big_path], total), None, whole=None)
         row("planes compute()", lambda: vol.compute(), rawv, lambda: naive.compute(), whole=None)
-        derived = _derived_rows(vol, big, naive, rawv, raw, paths, plane_bytes, total)
+        pair = tuple(gpulazy.from_files(part, shape=shape, dtype="uint16", device=dev.name, cache=False)
+                     for part in (paths[:half], paths[half:2 * half]))
+        derived = _derived_rows(vol, big, naive, rawv, raw, paths, plane_bytes, total, pair)
         for name, (ours, raw_fn, naive_fn, nbytes, whole) in derived.items():
             row(name, ours, raw_fn, naive_fn, nbytes, whole)
         row("[:half] compute()", lambda: vol[:half].compute(),
@@ -259,7 +272,8 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
             rows_out[f"{name}, fused_reductions=False (dask's tree)"] = _ratios({
                 "gpulazy": gbps(_best(with_config(ours, fused_reductions=False), repeat, sync), nbytes)},
                 rows_out[whole], rows_out[name].get("raw"))
-        for name in ("map_blocks(b * 2)", "map_blocks(b * 2).max(axis=0)", "(vol * 2).max(axis=0)"):
+        for name in ("map_blocks(b * 2)", "map_blocks(b * 2).max(axis=0)", "(vol * 2).max(axis=0)",
+                     "(a - b).max(axis=0), two arrays"):
             ours, _, _, nbytes, whole = derived[name]
             rows_out[f"{name}, streamed_maps=False (dask's tasks)"] = _ratios({
                 "gpulazy": gbps(_best(with_config(ours, streamed_maps=False), repeat, sync), nbytes)},

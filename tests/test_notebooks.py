@@ -122,7 +122,7 @@ def test_the_notebooks_exist_and_are_clean():
 
 CHECKS = {
     "01-quickstart": ["MIP matches NumPy: (512, 512) uint16", "read 64.0 MiB in", " 0 new bytes read",
-                      "plane fast (512, 512)", "plane max streams: True", "np.max streams: True",
+                      "plane fast (512, 512)", "plane max streams: True", "np.max streams: True", "two arrays streamed: True (64,)",
                       "MIP of slices 3-39 matches NumPy, compute path fast"],
     "02-prefetch": ["with prefetch:", "without:", "hit rate 0%", "streamed: ", "compute path fast"],
     "03-formats": ["LayoutError:", "uint16 (4, 4, 4, 4)", "TIFF tiff (16, 64, 64) | deflate tiles: zlib",

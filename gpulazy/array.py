@@ -303,7 +303,7 @@ def _array_class() -> type:
                 strided = _strided(self, index)
                 # (dask's blocks: one a chunk picked from, unless it keeps an empty one: then dask's own)
                 if strided is not None and out.chunks == tuple(
-                        tuple(n for _, _, n in _met(a, b, k, c))
+                        tuple(n for _, _, n in _along(a, b, k, c))
                         for axis, ((a, b), k, c) in enumerate(zip(strided[0], strided[1], self.chunks))
                         if axis not in strided[2]):
                     view = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
@@ -319,7 +319,7 @@ def _array_class() -> type:
         def compute(self, **kwargs: Any) -> Any:
             """The whole array on its device; see the class docstring for the fast path."""
             box = getattr(self, "_gl_box_of", None)
-            if (box is not None and max(box[2]) == 1 and box[0]._fast_path_ok(kwargs)
+            if (box is not None and all(k == 1 for k in box[2]) and box[0]._fast_path_ok(kwargs)
                     and not _active_callbacks(kwargs)):
                 self.compute_path = "fast"
                 base, region, _, dropped = box
@@ -559,13 +559,16 @@ def _map_of(arr: Any) -> tuple | None:
 
 
 def _box_as_map(box: Any) -> tuple | None:
-    """A box (``vol[3:40, 100:900]``), a plane (``vol[5]``) or a strided box (``vol[::4, ::4]``) as a
-    streamed map (``_gl_map_of``): its block ``i`` is its part of the ``i``-th chunk it meets (``_Cut``;
-    a plane's integers index the chunk, dropping its axes), so its reductions, maps and elementwise
-    operations (and a strided box's ``compute()``) stream as a map's do. ``None`` where dask's blocks
-    of it are not one a chunk met."""
+    """A box (``vol[3:40, 100:900]``), a plane (``vol[5]``) or a strided box (``vol[::4, ::4]``,
+    ``vol[::-1]``) as a streamed map (``_gl_map_of``): its block ``i`` is its part of the ``i``-th chunk it
+    meets (``_Cut``; a plane's integers index the chunk, dropping its axes; a negative step takes the
+    chunks from the last and flips each), so its reductions, maps and elementwise operations (and a
+    strided box's ``compute()``) stream as a map's do. ``None`` where dask's blocks of it are not one a
+    chunk met."""
     base, region, steps, dropped = box._gl_box_of
-    met = [_met(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, base.chunks)]
+    met = [_along(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, base.chunks)]
+    kept = [a for a in range(base.ndim) if a not in dropped]
+    flip = tuple(slice(None, None, -1 if steps[a] < 0 else 1) for a in kept) if min(steps) < 0 else None
     if tuple(tuple(n for _, _, n in axis) for a, axis in enumerate(met) if a not in dropped) != box.chunks:
         return None
     specs, cuts = {}, {}
@@ -586,7 +589,13 @@ def _box_as_map(box: Any) -> tuple | None:
             spec, cut = part, (slice(0, cut[0].stop - cut[0].start, cut[0].step),) + cut[1:]
         specs[new] = spec.at(new)
         cuts[new] = tuple(c.start if a in dropped else c for a, c in enumerate(cut))
-    return box.name, specs, source, box.chunks, _Cut(cuts), {}, box.name
+    return box.name, specs, source, box.chunks, _Cut(cuts, flip), {}, box.name
+
+
+def _along(lo: int, hi: int, step: int, chunks: tuple[int, ...]) -> list[tuple[int, slice, int]]:
+    """``_met`` in the order a step of that sign picks the chunks (a negative one: from the last)."""
+    met = _met(lo, hi, abs(step), chunks)
+    return met[::-1] if step < 0 else met
 
 
 def _met(lo: int, hi: int, step: int, chunks: tuple[int, ...]) -> list[tuple[int, slice, int]]:
@@ -604,16 +613,18 @@ def _met(lo: int, hi: int, step: int, chunks: tuple[int, ...]) -> list[tuple[int
 
 
 class _Cut:
-    """A box's part of each chunk it meets, block ``index``'s slices of its chunk (``_box_as_map``)."""
+    """A box's part of each chunk it meets, block ``index``'s slices of its chunk (``_box_as_map``), then
+    ``flip``'s (a negative step's: its axes reversed, a view)."""
 
     takes_index = True
     __name__ = "cut"
 
-    def __init__(self, cuts: dict[tuple[int, ...], tuple[slice, ...]]):
-        self.cuts = cuts
+    def __init__(self, cuts: dict[tuple[int, ...], tuple[slice, ...]], flip: tuple[slice, ...] | None = None):
+        self.cuts, self.flip = cuts, flip
 
     def __call__(self, chunk: Any, index: tuple[int, ...]) -> Any:
-        return chunk[self.cuts[index]]
+        part = chunk[self.cuts[index]]
+        return part if self.flip is None else part[self.flip]
 
 
 class _BlockMark:
@@ -906,13 +917,13 @@ def _box(arr: Any, index: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, 
 
 
 def _strided(arr: Any, index: Any) -> tuple[tuple, tuple[int, ...], tuple[int, ...]] | None:
-    """``(region, steps, dropped)`` (``_parse_index``) when ``index`` is integers and slices of positive
-    steps, one of them more than 1, selecting a non-empty part of ``arr``, the files as they are
-    (``vol[::4, ::4]``, ``vol[5, ::2, ::2]``); else ``None``."""
+    """``(region, steps, dropped)`` (``_parse_index``) when ``index`` is integers and slices, one of them
+    of a step other than 1, selecting a non-empty part of ``arr``, the files as they are (``vol[::4,
+    ::4]``, ``vol[5, ::2, ::2]``, ``vol[::-1]``); else ``None``."""
     if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
         return None
     found = _parse_index(index, arr.shape)
-    if found is None or max(found[2]) == 1:
+    if found is None or all(k == 1 for k in found[2]):
         return None
     region, dropped, steps = found
     return region, steps, dropped
@@ -922,10 +933,10 @@ def _in_base(box: Any, index: Any) -> tuple | None:
     """For a box (``_gl_box_of``, every step 1, no axis dropped), the index of its files' array that
     ``box[index]`` is, when ``index`` is a box, a plane or a step of it (``_parse_index``); else ``None``."""
     of = getattr(box, "_gl_box_of", None)
-    if of is None or max(of[2]) > 1 or of[3]:
+    if of is None or any(k != 1 for k in of[2]) or of[3]:
         return None
     found = _parse_index(index, box.shape)
-    if found is None:
+    if found is None or min(found[2]) < 0:  # (a negative step of a box: dask's, as of the files)
         return None
     region, dropped, steps = found
     return tuple(b0 + r0 if axis in dropped else slice(b0 + r0, b0 + r1, step)
@@ -935,15 +946,16 @@ def _in_base(box: Any, index: Any) -> tuple | None:
 def _parse_box(index: Any, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
     """``_box``'s reading of ``index`` against ``shape``: ``_parse_index``'s, every step 1."""
     found = _parse_index(index, shape)
-    if found is None or max(found[2]) != 1:
+    if found is None or any(k != 1 for k in found[2]):
         return None
     return found[0], found[1]
 
 
 def _parse_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple[int, ...], tuple[int, ...]] | None:
-    """``(region, dropped, steps)`` for ``index`` of integers and slices of positive steps selecting a
-    non-empty part of ``shape`` of more than one element: ``(start, stop)`` per axis, the axes an
-    integer indexes, each axis's step (1 for an integer); else ``None``."""
+    """``(region, dropped, steps)`` for ``index`` of integers and slices selecting a non-empty part of
+    ``shape`` of more than one element: ``(start, stop)`` per axis (from the first element it picks
+    on, whatever the step's sign), the axes an integer indexes, each axis's step (1 for an integer;
+    negative: the axis is picked from its end); else ``None``."""
     from dask.array.slicing import normalize_index
 
     try:
@@ -961,11 +973,12 @@ def _parse_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple[int, 
             continue
         if not isinstance(ix, slice):
             return None
-        start, stop, step = ix.indices(n)
-        if step < 1 or start >= stop:
+        picked = range(*ix.indices(n))
+        if not picked:
             return None
-        region.append((start, stop))
-        steps.append(step)
+        ends = sorted((picked[0], picked[-1]))
+        region.append((ends[0], ends[1] + 1))
+        steps.append(picked.step)
     if len(dropped) == len(shape):
         return None
     return tuple(region), tuple(dropped), tuple(steps)

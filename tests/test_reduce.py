@@ -350,7 +350,7 @@ def test_streamed_reductions_on_the_gpu(tmp_path, op):
 @st.composite
 def boxes(draw, steps=False):
     """A shape, a chunking and a box of it: per axis a step-1 slice or an integer (``vol[5]``, a plane);
-    ``steps=True``: slices of steps 1-4, one of them more than 1 (``vol[::4, ::4]``), and integers."""
+    ``steps=True``: slices of steps -3 to 4, one of them not 1 (``vol[::4, ::4]``, ``vol[::-1]``), and integers."""
     shape = tuple(draw(st.integers(1, 9)) for _ in range(draw(st.integers(1, 3))))
     chunks = tuple(draw(st.integers(1, n)) for n in shape)
     box = []
@@ -359,7 +359,10 @@ def boxes(draw, steps=False):
         if draw(st.integers(0, 3)) == 0:
             box.append(draw(st.sampled_from([lo, lo - n])))  # an integer, maybe from the end
         else:
-            box.append(slice(lo, draw(st.integers(lo + 1, n)), draw(st.integers(1, 4)) if steps else None))
+            hi = draw(st.integers(lo + 1, n))
+            step = draw(st.sampled_from([1, 2, 3, 4, -1, -2, -3])) if steps else None
+            # (a negative step picks from ``hi - 1`` down to ``lo``)
+            box.append(slice(hi - 1, lo - 1 if lo else None, step) if step and step < 0 else slice(lo, hi, step))
     if steps and all(isinstance(s, int) or s.step == 1 for s in box):  # (a step, on a slice)
         b = box[-1] % shape[-1] if isinstance(box[-1], int) else box[-1].start
         box[-1] = slice(b, shape[-1], 2)
@@ -503,7 +506,8 @@ def test_a_box_s_reductions_and_maps_stream_on_the_gpu(tmp_path):
                     (part.map_blocks(lambda b: b // 3), data[3:30, 5:33] // 3),
                     (vol[::3, ::2, 1::5], data[::3, ::2, 1::5]), (vol[::4].max(axis=0), data[::4].max(axis=0)),
                     (vol[7].max(), data[7].max()), (vol[:, 9].astype("f8").std(axis=0), data[:, 9].std(axis=0)),
-                    (vol[5, ::2, ::3], data[5, ::2, ::3]), (vol[20] - 7, data[20] - 7)):
+                    (vol[5, ::2, ::3], data[5, ::2, ::3]), (vol[20] - 7, data[20] - 7),
+                    (vol[::-1, :, ::-2], data[::-1, :, ::-2]), (vol[30:2:-3].max(axis=0), data[30:2:-3].max(axis=0))):
         got = r.compute()
         assert r.compute_path == "fast" and type(got).__module__.startswith("cupy")
         np.testing.assert_allclose(to_host(got), want, rtol=1e-5)

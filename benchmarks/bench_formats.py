@@ -33,7 +33,7 @@ compressed chunk decoding its first planes alone). Beside their gpulazy ways, th
 dask's tasks in the same run: ``plane_int`` (``vol[half]``, a box read) against ``plane_dask``
 (``da.Array.__getitem__``), and ``np_mip`` (``np.max(vol, axis=0)``, the streamed MIP) against
 ``mip_dask`` (``da.max``, dask's reduction), ``tile`` (``vol[half, :s/2, :s/2]``, a viewer's tile) against
-``tile_dask``, ``plane_max`` (``vol[half].max()``, streamed) against ``plane_max_dask``, ``slice_mip`` (``[1:half+1].max(axis=0)``, streamed
+``tile_dask``, ``flip`` (``vol[::-1]``) against ``flip_dask``, ``plane_max`` (``vol[half].max()``, streamed) against ``plane_max_dask``, ``slice_mip`` (``[1:half+1].max(axis=0)``, streamed
 over the chunks the box meets) against ``slice_mip_dask``, and ``preview`` (``[::4, ::4, ::4]``) against
 ``preview_dask``. Every result is checked against the
 generated volume.
@@ -443,6 +443,10 @@ OPS: dict[str, tuple[str, Callable[[Any, Geometry], Any]]] = {
     # dask's getitem tasks; GB/s of the whole volume's bytes (a folder of planes reads a quarter of them).
     "preview": ("[::4, ::4, ::4]", lambda a, g: a[::4, ::4, ::4]),
     "preview_dask": ("[::4, ::4, ::4] by dask", lambda a, g: _dask_getitem(a, (slice(None, None, 4),) * 3)),
+    # The volume flipped along axis 0 (a streamed map of every chunk, from the last, each flipped as a
+    # view, copied into one result), beside dask's getitem tasks.
+    "flip": ("[::-1]", lambda a, g: a[::-1]),
+    "flip_dask": ("[::-1] by dask", lambda a, g: _dask_getitem(a, slice(None, None, -1))),
 }
 
 
@@ -503,6 +507,9 @@ def check_op(op: str, out: Any, g: Geometry) -> bool:
         return tuple(out.shape) == (h, h) and np.array_equal(_host(out), plane(g.half, g.side)[:h, :h])
     if op in ("plane_max", "plane_max_dask"):
         return int(_host(out)) == int(plane(g.half, g.side).max())
+    if op in ("flip", "flip_dask"):
+        n = len(out)
+        return tuple(out.shape[1:]) == (g.side, g.side) and _planes_equal(out[::-1], g.n - n, g)
     if op in ("preview", "preview_dask"):
         n, m = len(range(0, g.n, 4)), len(range(0, g.side, 4))
         host = _host(out)
@@ -571,6 +578,8 @@ def raw_op(op: str, path: str, g: Geometry, device: str) -> Callable[[], Any]:
         return lambda: read_raw(path, g, device, 1, g.half)
     if op in ("preview", "preview_dask"):
         return lambda: read_raw(path, g, device)[::4, ::4, ::4]
+    if op in ("flip", "flip_dask"):
+        return lambda: read_raw(path, g, device)[::-1]
     if op in ("slice_mip", "slice_mip_dask"):
         return lambda: read_raw(path, g, device, 1, g.half).max(axis=0)
     if op == "plane":

@@ -86,7 +86,7 @@ def test_derived_rows_and_references(bench, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["ops"] == ["mip", "slice", "astype_sum", "mean", "plane", "map", "map_mip", "plane_int", "plane_dask",
                            "tile", "tile_dask", "plane_max", "plane_max_dask", "np_mip", "mip_dask", "slice_mip", "slice_mip_dask", "preview",
-                           "preview_dask"]
+                           "preview_dask", "flip", "flip_dask"]
     assert data["planes"] == 8 and data["side"] == 64
     assert all(r["correct"] for r in data["raw_refs"].values())
     rows = {r["format"]: r for r in data["rows"]}
@@ -185,7 +185,7 @@ def test_gpu_session_formats_mode(tmp_path):
     assert [row["format"] for row in data["rows"]] == ["raw", "zarr-zstd-3d"]
     assert data["ops"] == ["mip", "slice", "astype_sum", "mean", "plane", "map", "map_mip", "plane_int", "plane_dask",
                            "tile", "tile_dask", "plane_max", "plane_max_dask", "np_mip", "mip_dask", "slice_mip", "slice_mip_dask", "preview",
-                           "preview_dask"] and data["side"] == 64
+                           "preview_dask", "flip", "flip_dask"] and data["side"] == 64
     assert all(r["correct"] for row in data["rows"] for r in row["ops"].values())
     assert "budget 120 s" in (tmp_path / "out" / "formats.log").read_text()
     assert (tmp_path / "data" / "gpulazy-bench-formats").is_dir()

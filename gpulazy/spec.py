@@ -239,6 +239,9 @@ class ChunkSpec:
     index: tuple[int, ...] = ()
     tiles: tuple[Tile, ...] = ()
     fill_value: object = 0
+    #: For a head (``head``): ``(the whole chunk, the plane the head starts at)``; the engine reads the
+    #: whole chunk instead of a head its frame cannot serve (``HeadShort``). Not part of the key.
+    whole: tuple | None = field(default=None, repr=False, compare=False)
     key: str = field(init=False, repr=False, compare=False)
     #: Bytes read from files (what the backend moves): summed once, as readers ask for it per chunk
     #: several times (grouping, buffers, submission) on the thread that submits the reads.
@@ -301,7 +304,7 @@ class ChunkSpec:
         ((0,), True)
         """
         return ChunkSpec(self.ranges, self.shape, self.dtype, self.order, self.codec, self.identity, tuple(index),
-                         self.tiles, self.fill_value, _key=self.key)
+                         self.tiles, self.fill_value, self.whole, _key=self.key)
 
     def leading(self, start: int, stop: int) -> ChunkSpec | None:
         """Slices ``[start, stop)`` of the chunk along axis 0 as a chunk of their own (their bytes
@@ -375,7 +378,8 @@ class ChunkSpec:
             codec = Codec.of("head", of=of, size=self.out_nbytes)
             return 0, ChunkSpec(_span(self.ranges, 0, min(self.nbytes, head_allowance(decoded))), (stop,) + rest,
                                 self.dtype, "C", (codec,), identity=self.identity, index=self.index,
-                                fill_value=self.fill_value, _key=_part_key(self.key, "head", start, stop))
+                                fill_value=self.fill_value, whole=(self, 0),
+                                _key=_part_key(self.key, "head", start, stop))
         met = [t for t in self.tiles if t.origin[0] < stop and t.origin[0] + t.shape[0] > start]
         if not met:
             return None
@@ -394,7 +398,8 @@ class ChunkSpec:
         codec = Codec.of("head", of=of, size=math.prod(shape) * itemsize)
         return first, ChunkSpec(tuple(t.range for t in tiles if t.range is not None), (keep,) + rest, self.dtype,
                                 "C", (codec,), identity=self.identity, index=self.index, tiles=tiles,
-                                fill_value=self.fill_value, _key=_part_key(self.key, "head", start, stop))
+                                fill_value=self.fill_value, whole=(self, first),
+                                _key=_part_key(self.key, "head", start, stop))
 
     @property
     def is_head(self) -> bool:

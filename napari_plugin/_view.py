@@ -234,9 +234,6 @@ def _read_box(array: Any, box: list, *, claim: Callable[[list], Any] | None = No
             cache.get_region(spec, view.read, region, out=out[at], check=check_unchanged)
             continue
         sub, sub_region = part
-        if sub.is_head and sub.key not in heads:  # a head that could not serve: the chunk, whole
-            cache.get_region(spec, view.read, region, out=out[at], check=check_unchanged)
-            continue
         chunk = heads[sub.key] if sub.is_head else view.read(sub)
         with own_stream(dev):
             out[at] = chunk[sub_region]
@@ -266,18 +263,8 @@ def _head_read(spec: Any, region: tuple) -> tuple[Any, tuple] | None:
 def _read_heads(specs: list, source: Any) -> dict:
     """``{key: array}`` of ``_head_read`` sub-specs, read in one engine submission (their pieces decode
     together) and not cached (each is a plane's worth, the whole chunk is warmed behind it); a head
-    whose frame cannot serve it (``HeadShort``) is left out, for its chunk to be read whole."""
-    from gpulazy.codecs.host import HeadShort
-    from gpulazy.errors import ChunkDecodeError
-
-    out = {}
-    for spec, pending in zip(specs, source.start(specs) if specs else ()):
-        try:
-            out[spec.key] = pending.result()
-        except ChunkDecodeError as e:
-            if not isinstance(e.__cause__, HeadShort):
-                raise
-    return out
+    whose frame cannot serve it (``HeadShort``) the engine reads as its whole chunk."""
+    return {spec.key: pending.result() for spec, pending in zip(specs, source.start(specs) if specs else ())}
 
 
 def _read_together(specs: list, source: Any) -> dict:

@@ -112,14 +112,14 @@ class Reads:
     for its reads (the backend's batch does) before its buffers go.
     """
 
-    __slots__ = ("specs", "device", "dests", "bufs", "inplace", "futures", "outcomes", "verify", "checked",
-                 "_lock", "__weakref__")
+    __slots__ = ("specs", "device", "backend", "dests", "bufs", "inplace", "futures", "outcomes", "verify",
+                 "checked", "_lock", "__weakref__")
 
     def __init__(self, specs: list[ChunkSpec], backend: Backend, outs: Sequence[Any] | None, verify: bool,
                  staged: bool | None):
         dev = backend.device
         n = len(specs)
-        self.specs, self.device, self.verify = specs, dev, verify
+        self.specs, self.device, self.backend, self.verify = specs, dev, backend, verify
         self.dests: list[Any] = [None] * n
         self.bufs: list[Any] = [None] * n
         self.inplace = [False] * n
@@ -235,6 +235,9 @@ class Reads:
                     arrays = [e] * len(pieces)
                 for i, arr in zip(pieces, arrays):
                     self.outcomes[i] = arr
+        for i in pieces:
+            if _short_head(self.specs[i], self.outcomes[i]):
+                self.outcomes[i] = self._whole_instead(i)
         placed = [i for i in ok if not isinstance(self.outcomes[i], BaseException)]
         self._check_landed([i for i in placed if i not in self.checked])
         for i in ok:
@@ -244,6 +247,24 @@ class Reads:
             error = self.checked.pop(i, None)  # written to during the read: bytes may be mixed
             if error is not None and not isinstance(self.outcomes[i], BaseException):
                 self.outcomes[i] = error
+
+    def _whole_instead(self, i: int) -> Any:
+        # Lock held. Head ``i``'s frame cannot serve it (``HeadShort``: it needs more stored bytes, or a
+        # whole read to be checked): its whole chunk is read (a submission of its own, waited for
+        # here), which decodes it or says what is wrong with it, and its planes go where the head's
+        # would have. Every consumer of heads gets this (a box, a streamed map or reduction, napari).
+        whole, first = self.specs[i].whole
+        try:
+            chunk = read([whole], self.backend, verify=self.verify, staged=False)[0]
+        except BaseException as e:
+            return e
+        part = chunk[first:first + self.specs[i].shape[0]]
+        dest = self.dests[i]
+        if dest is None:
+            return part
+        with own_stream(self.device):
+            dest[...] = part
+        return dest
 
     def _explain_failed(self, idx: list[int]) -> None:
         # Lock held; the outcomes that are errors are the reads' and decodes' (identity checks
@@ -283,6 +304,13 @@ class Reads:
             changed = unchanged_each([self.specs[i] for i in idx])  # after ``done()``: after those reads
             for j in itertools.chain(idx, later):
                 self.checked[j] = changed(self.specs[j])
+
+
+def _short_head(spec: ChunkSpec, outcome: Any) -> bool:
+    """Whether ``outcome`` is head ``spec``'s decode running short (``HeadShort``), its whole chunk known."""
+    from gpulazy.codecs.host import HeadShort
+
+    return spec.whole is not None and isinstance(outcome, BaseException) and isinstance(outcome.__cause__, HeadShort)
 
 
 class PendingChunk:

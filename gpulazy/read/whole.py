@@ -22,9 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from gpulazy.codecs.host import HeadShort
 from gpulazy.device import get_device
-from gpulazy.errors import ChunkDecodeError
 from gpulazy.spec import ChunkSpec
 
 __all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "iter_groups", "held_bytes",
@@ -124,8 +122,7 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
     # Keys name content, not place: two chunks of the same bytes (pieces never written, read as the
     # fill value: an HDF5 chunk table's missing chunks share one key) are one key at two places.
     cuts: dict[str, list[tuple]] = {}  # key of a chunk (or of the part read of it) -> [(slices in it, in ``out``)]
-    heads: dict[str, list[ChunkSpec]] = {}  # key of a chunk's head read (``ChunkSpec.head``) -> the chunks
-    done: set[str] = set()
+    heads: set[str] = set()  # keys of the chunks' head reads (``ChunkSpec.head``)
 
     def copy_hit(spec: ChunkSpec, entry: Any, src: tuple, dst: tuple) -> None:
         check_unchanged(spec)  # a cached chunk of a file changed since indexing is never served
@@ -150,7 +147,7 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                 found = None if source.verify or part is not None else spec.head(src[0].start, src[0].stop)
                 if found is not None:
                     first, part = found
-                    heads.setdefault(part.key, []).append(spec)
+                    heads.add(part.key)
                 src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
                 if part is not None and part.shape == tuple(s.stop - s.start for s in src):
                     yield part, out[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
@@ -162,7 +159,6 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
                         yield part, None  # one read of the bytes, copied to every place they belong
 
         def landed(spec: ChunkSpec, arr: Any) -> None:
-            done.add(spec.key)
             for src, dst in cuts.get(spec.key, ()):
                 _copy_part(out, dst, arr, src, dev)
 
@@ -182,31 +178,11 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             # The whole chunks go first, and the cut ones' parts are worked out as the submissions
             # reach them, while the first reads are in flight: a slice of a Zarr volume of 16 stored
             # chunks a block spent most of its time before its first read on eight blocks' parts.
-            # (No head among them, so the read below raises no ``HeadShort``, and ``todo`` need not list them.)
             reads, like = itertools.chain(tuple(todo), parts()), needed
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
-        limit = max(STAGED, inflight_room(dev))
-        try:
-            read_in_order(reads, source.backend_instance(), source.verify, landed, limit, like=like)
-        except ChunkDecodeError as e:
-            if not isinstance(e.__cause__, HeadShort):
-                raise
-            # A head could not serve (its frame needs more stored bytes, or a whole read to be
-            # checked): what has not landed is read again, a head as its whole chunk.
-            rest = []
-            for spec, dest in todo:
-                if spec.key in done:
-                    continue
-                chunks_of = heads.get(spec.key)
-                if chunks_of is None:
-                    rest.append((spec, dest))
-                    continue
-                for chunk in chunks_of:
-                    seen = chunk.key in cuts
-                    cuts.setdefault(chunk.key, []).append(_overlap(chunk.index, edges, region)[:2])
-                    if not seen:
-                        rest.append((chunk, None))
-            read_in_order(rest, source.backend_instance(), source.verify, landed, limit)
+        # (A head whose frame cannot serve it is read whole by the engine: ``Reads._whole_instead``.)
+        read_in_order(reads, source.backend_instance(), source.verify, landed, max(STAGED, inflight_room(dev)),
+                      like=like)
     return out
 
 

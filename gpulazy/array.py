@@ -578,15 +578,20 @@ def _box_as_map(box: Any) -> tuple | None:
         new = tuple(j for a, (j, _) in enumerate(picks) if a not in dropped)
         spec = base._gl_specs[tuple(i for _, (i, _, _) in picks)]
         cut = tuple(c for _, (_, c, _) in picks)
-        # Cut along axis 0, a chunk stored as is reads the planes the box needs alone (not with
-        # ``verify``: checksums cover whole chunks), unless the cache holds the chunk now (the map is
-        # made as the computation is built); same bytes, same key: the cache is shared.
-        part = None
+        # Cut along axis 0, a chunk stored as is reads the planes the box needs alone, and a zstd chunk
+        # the box ends inside decodes its planes up to the box's end from a head of its stored bytes
+        # (as ``read_region``; not with ``verify``: checksums cover whole chunks), unless the cache holds
+        # the chunk now (the map is made as the computation is built); same bytes, same key.
+        first, part = 0, None
         if cut[0] != slice(0, spec.shape[0], 1) and not source.verify and not (
                 cache is not None and (spec in cache or cache.holds(spec))):
             part = spec.leading(cut[0].start, cut[0].stop)
+            first = cut[0].start
+            found = spec.head(cut[0].start, cut[0].stop) if part is None else None
+            if found is not None:
+                first, part = found
         if part is not None:
-            spec, cut = part, (slice(0, cut[0].stop - cut[0].start, cut[0].step),) + cut[1:]
+            spec, cut = part, (slice(cut[0].start - first, cut[0].stop - first, cut[0].step),) + cut[1:]
         specs[new] = spec.at(new)
         cuts[new] = tuple(c.start if a in dropped else c for a, c in enumerate(cut))
     return box.name, specs, source, box.chunks, _Cut(cuts, flip), {}, box.name

@@ -336,7 +336,7 @@ def _array_class() -> type:
             mapped = _map_of(self)
             # (a progress bar is told of one read a block: a block of two arrays' chunks goes to dask)
             if mapped is not None and _local_compute(kwargs) and not (
-                    _active_callbacks(kwargs) and isinstance(next(iter(mapped[1].values())), tuple)):
+                    _active_callbacks(kwargs) and isinstance(next(iter(mapped[1].values()), None), tuple)):
                 self.compute_path = "fast"
                 return self._map_with_hooks(mapped, kwargs)
             if self._fast_path_ok(kwargs):
@@ -692,7 +692,7 @@ def _pairs_with(arr: Any, other: Any) -> bool:
     mine, theirs = _files_of(arr), _files_of(other)
     if mine is None or theirs is None or mine[1] != theirs[1]:
         return False
-    return not any(isinstance(next(iter(files[0].values())), tuple) for files in (mine, theirs))
+    return not any(isinstance(next(iter(files[0].values()), None), tuple) for files in (mine, theirs))
 
 
 def _in_memory(value: Any, shape: tuple[int, ...]) -> bool:

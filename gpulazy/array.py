@@ -432,8 +432,15 @@ def _array_class() -> type:
             a streamed map whose blocks are pairs of chunks read in one pass (``gpulazy.read.pairs``)."""
             specs, source, first = _files_of(self)
             theirs, _, second = _files_of(other)
+            if all(spec.key == theirs[i].key for i, spec in specs.items()):
+                # The same chunks on both sides (``vol - vol.map_blocks(f)``, ``np.where(vol > 5, vol, 0)``):
+                # read once, each side made of the one chunk, as dask's tasks share the one read.
+                mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
+                both = _Then((_Both(first, second, same=True), {}), (func, {}))
+                mapped._gl_map_of = (out.name, specs, source, out.chunks, both, {}, self.name)
+                return mapped
             # ``other``'s chunks as objects of their own (same bytes, same keys): a pair tells its chunks
-            # apart by identity, and ``a.map_blocks(f) - a`` pairs a file's chunks with themselves.
+            # apart by identity.
             pairs = {i: (spec, theirs[i].at(i)) for i, spec in specs.items()}
             if first is not None or second is not None:  # each side's own map first (``vol * 2 - other``)
                 func = _Then((_Both(first, second), {}), (func, {}))
@@ -457,7 +464,10 @@ def _array_class() -> type:
             method = _numpy_reduction(self, func, args, kwargs)
             if method is not None:
                 return method()
-            return super().__array_function__(func, types, args, kwargs)
+            out = super().__array_function__(func, types, args, kwargs)
+            if func in _NUMPY_ELEMENTWISE and not kwargs:  # ``np.where(vol > 5, vol, 0)``, ``np.clip``: maps
+                return self._gl_elementwise(out, func, args, {})
+            return out
 
         def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
             out = super().__array_ufunc__(ufunc, method, *inputs, **kwargs)
@@ -728,6 +738,10 @@ _NUMPY_REDUCTIONS = {"max": "max", "amax": "max", "min": "min", "amin": "min", "
 #: Their parameters the methods take (the others, ``out``, ``initial``, ``where``, ...: dask's).
 _REDUCTION_PARAMETERS = {"axis", "dtype", "keepdims", "ddof"}
 
+#: NumPy's functions (not ufuncs) that dask computes block by block, each block of the result from the
+#: same block of every array argument: streamed maps as ufuncs are (``GpulazyArray._gl_elementwise``).
+_NUMPY_ELEMENTWISE = (np.where, np.clip)
+
 
 def _numpy_reduction(arr: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     """``arr``'s method for NumPy's ``func(*args, **kwargs)`` (``np.max(arr, axis=0)``: ``arr.max(axis=0)``)
@@ -796,16 +810,18 @@ class _Then:
 
 class _Both:
     """Each array's own streamed map of a block of two arrays' chunks (``vol * 2 - other``): the pair
-    ``(f(a's chunk), g(b's chunk))``, a side without a map (``None``) as it is."""
+    ``(f(a's chunk), g(b's chunk))``, a side without a map (``None``) as it is; ``same``: both sides are
+    made of the one chunk read (``vol - vol.map_blocks(f)``)."""
 
     takes_index = True
 
-    def __init__(self, first: tuple | None, second: tuple | None):
-        self.sides = (first, second)
+    def __init__(self, first: tuple | None, second: tuple | None, same: bool = False):
+        self.sides, self.same = (first, second), same
         self.__name__ = "both"
 
-    def __call__(self, pair: tuple, index: tuple[int, ...]) -> tuple:
-        return tuple(chunk if side is None else _apply(side, chunk, index) for side, chunk in zip(self.sides, pair))
+    def __call__(self, pair: Any, index: tuple[int, ...]) -> tuple:
+        chunks = (pair, pair) if self.same else pair
+        return tuple(chunk if side is None else _apply(side, chunk, index) for side, chunk in zip(self.sides, chunks))
 
 
 def _apply(mapping: tuple, chunk: Any, index: tuple[int, ...]) -> Any:

@@ -767,8 +767,11 @@ def test_two_arrays_that_cannot_stream_together_are_dask_s_and_right(tmp_path):
         assert getattr(arr, "_gl_map_of", None) is None, what
         np.testing.assert_array_equal(arr.compute(), want, err_msg=what)
     assert (a - b)._gl_map_of is not None and (a.map_blocks(lambda x: x) - a)._gl_map_of is not None
-    # A file's chunks paired with themselves: each read twice, and the values right.
-    np.testing.assert_array_equal((a.map_blocks(lambda x: x // 2) - a).sum(axis=0).compute(), (av // 2 - av).sum(axis=0))
+    # A file's chunks on both sides (``vol - vol.map_blocks(f)``): read once, each side made of the one chunk.
+    c = other_cache  # (no cache: every chunk is read)
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    np.testing.assert_array_equal((c.map_blocks(lambda x: x // 2) - c).sum(axis=0).compute(), (dv // 2 - dv).sum(axis=0))
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == dv.nbytes
 
 
 def test_a_pair_with_a_progress_bar_is_dask_s(tmp_path):
@@ -799,6 +802,34 @@ def test_a_pair_whose_second_file_changed_raises_naming_it(tmp_path, reduced):
         r.compute()
 
 
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_numpy_s_where_and_clip_stream_as_maps(tmp_path, scheduler):
+    """``np.where`` and ``np.clip`` are dask's block by block, as ufuncs are: streamed maps, a file's
+    chunks read once however many of its arrays they take (``np.where(vol > 500, vol, 0)``)."""
+    a, av = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 2, 5), seed=1, cache=False)
+    b, bv = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 2, 5), seed=2, cache=False)
+    cases = {
+        "np.where(a > 500, a, 0)": (lambda: np.where(a > 500, a, 0), np.where(av > 500, av, 0), av.nbytes),
+        "np.clip(a, 100, 900)": (lambda: np.clip(a, 100, 900), np.clip(av, 100, 900), av.nbytes),
+        "np.where(b > 300, a, 7).max(axis=0)": (lambda: np.where(b > 300, a, 7).max(axis=0),
+                                                np.where(bv > 300, av, 7).max(axis=0), av.nbytes + bv.nbytes),
+        "np.clip(a - b, 0, 50).sum()": (lambda: np.clip(a - b, 0, 50).sum(), np.clip(av - bv, 0, 50).sum(),
+                                        av.nbytes + bv.nbytes),
+    }
+    for what, (made, want, nbytes) in cases.items():
+        r = made()
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        got = r.compute(scheduler=scheduler)
+        assert r.compute_path == "fast", what
+        assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes, what
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        with gpulazy.config.set(streamed_maps=False):  # dask's own tasks agree
+            np.testing.assert_array_equal(made().compute(scheduler=scheduler), want, err_msg=what)
+    # Two other arrays among the operands (``np.where(a > b, a, b)``: the pair and both again) are dask's.
+    assert getattr(np.where(a > b, a, b), "_gl_map_of", None) is None
+    np.testing.assert_array_equal(np.where(a > b, a, b).compute(), np.where(av > bv, av, bv))
+
+
 @pytest.mark.gpu
 def test_an_operation_between_two_arrays_streams_on_the_gpu(tmp_path):
     import cupy
@@ -807,7 +838,8 @@ def test_an_operation_between_two_arrays_streams_on_the_gpu(tmp_path):
     b, bv = _volume(tmp_path, shape=(40, 64, 48), chunks=(8, 32, 48), seed=2, device="cuda:0")
     fa = av.astype("f4")
     for r, want in (((a.astype("f4") - b), fa - bv), (np.maximum(a, b).max(axis=0), np.maximum(av, bv).max(axis=0)),
-                    ((a.astype("f4") - b * 2).mean(axis=(1, 2)), (fa - bv * 2).mean(axis=(1, 2)))):
+                    ((a.astype("f4") - b * 2).mean(axis=(1, 2)), (fa - bv * 2).mean(axis=(1, 2))),
+                    (np.where(a > 500, a, 0), np.where(av > 500, av, 0)), (np.clip(a, 100, 900).sum(), np.clip(av, 100, 900).sum())):
         got = r.compute()
         assert r.compute_path == "fast" and isinstance(got, cupy.ndarray)
         np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-5)

@@ -435,17 +435,15 @@ def _array_class() -> type:
             if all(spec.key == theirs[i].key for i, spec in specs.items()):
                 # The same chunks on both sides (``vol - vol.map_blocks(f)``, ``np.where(vol > 5, vol, 0)``):
                 # read once, each side made of the one chunk, as dask's tasks share the one read.
-                mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-                both = _Then((_Both(first, second, same=True), {}), (func, {}))
-                mapped._gl_map_of = (out.name, specs, source, out.chunks, both, {}, self.name)
-                return mapped
-            # ``other``'s chunks as objects of their own (same bytes, same keys): a pair tells its chunks
-            # apart by identity.
-            pairs = {i: (spec, theirs[i].at(i)) for i, spec in specs.items()}
-            if first is not None or second is not None:  # each side's own map first (``vol * 2 - other``)
-                func = _Then((_Both(first, second), {}), (func, {}))
+                units, both = specs, _Both(first, second, same=True)
+            else:
+                # ``other``'s chunks as objects of their own (same bytes, same keys): a pair tells its
+                # chunks apart by identity. Each side's own map first (``vol * 2 - other``).
+                units = {i: (spec, theirs[i].at(i)) for i, spec in specs.items()}
+                both = None if first is None and second is None else _Both(first, second)
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            mapped._gl_map_of = (out.name, pairs, source, out.chunks, func, {}, self.name)
+            func = func if both is None else _Then((both, {}), (func, {}))
+            mapped._gl_map_of = (out.name, units, source, out.chunks, func, {}, self.name)
             return mapped
 
         @property

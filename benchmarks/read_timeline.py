@@ -74,7 +74,7 @@ def medians(cases: dict[str, Callable[[], Any]], dev: Any, rounds: int) -> dict[
 
 #: Functions whose calls the timeline shows too (module, attribute path): what comes before the
 #: first submission.
-CALLS = [("gpulazy.read.whole", "inflight_room"), ("gpulazy.read.whole", "_leading"),
+CALLS = [("gpulazy.read.whole", "inflight_room"), ("gpulazy.read.whole", "part_of"),
          ("gpulazy.read.whole", "read_in_order"), ("gpulazy.device", "Device.alloc_many")]
 
 

@@ -573,6 +573,8 @@ def _box_as_map(box: Any) -> tuple | None:
     chunks from the last and flips each), so its reductions, maps and elementwise operations (and a
     strided box's ``compute()``) stream as a map's do. ``None`` where dask's blocks of it are not one a
     chunk met."""
+    from gpulazy.read.whole import part_of
+
     base, region, steps, dropped = box._gl_box_of
     met = [_along(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, base.chunks)]
     kept = [a for a in range(base.ndim) if a not in dropped]
@@ -591,13 +593,8 @@ def _box_as_map(box: Any) -> tuple | None:
         # (as ``read_region``; not with ``verify``: checksums cover whole chunks), unless the cache holds
         # the chunk now (the map is made as the computation is built); same bytes, same key.
         first, part = 0, None
-        if cut[0] != slice(0, spec.shape[0], 1) and not source.verify and not (
-                cache is not None and (spec in cache or cache.holds(spec))):
-            part = spec.leading(cut[0].start, cut[0].stop)
-            first = cut[0].start
-            found = spec.head(cut[0].start, cut[0].stop) if part is None else None
-            if found is not None:
-                first, part = found
+        if not source.verify and not (cache is not None and (spec in cache or cache.holds(spec))):
+            first, part = part_of(spec, cut[0])
         if part is not None:
             spec, cut = part, (slice(cut[0].start - first, cut[0].stop - first, cut[0].step),) + cut[1:]
         specs[new] = spec.at(new)
@@ -819,7 +816,8 @@ class _Both:
 
     def __call__(self, pair: Any, index: tuple[int, ...]) -> tuple:
         chunks = (pair, pair) if self.same else pair
-        return tuple(chunk if side is None else _apply(side, chunk, index) for side, chunk in zip(self.sides, chunks))
+        return tuple(chunk if side is None else _apply(side, chunk, index)
+                     for side, chunk in zip(self.sides, chunks))
 
 
 def _apply(mapping: tuple, chunk: Any, index: tuple[int, ...]) -> Any:

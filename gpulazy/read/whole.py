@@ -25,9 +25,9 @@ import numpy as np
 from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "groups_by_bytes", "iter_groups", "held_bytes",
-           "inflight_room", "settle_later", "settle_pool", "settle_slots", "settlers", "stream_calls", "GROUP",
-           "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
+__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "part_of", "groups_by_bytes", "iter_groups",
+           "held_bytes", "inflight_room", "settle_later", "settle_pool", "settle_slots", "settlers", "stream_calls",
+           "GROUP", "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
 
 GROUP = 256 << 20
 STAGED = 512 << 20
@@ -143,10 +143,8 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
         def parts():
             """What is read of each chunk the box cuts: the part it needs, or all of it."""
             for spec, src, dst in cut:
-                first, part = _leading(spec, src) if not source.verify else (0, None)
-                found = None if source.verify or part is not None else spec.head(src[0].start, src[0].stop)
-                if found is not None:
-                    first, part = found
+                first, part = part_of(spec, src[0]) if not source.verify else (0, None)
+                if part is not None and part.is_head:
                     heads.add(part.key)
                 src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
                 if part is not None and part.shape == tuple(s.stop - s.start for s in src):
@@ -199,15 +197,20 @@ def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:
     return True
 
 
-def _leading(spec: ChunkSpec, src: tuple) -> tuple[int, ChunkSpec | None]:
-    """``(first, part)``: the planes ``src`` cuts from ``spec`` along axis 0, from plane ``first``, as a
-    chunk of their own when its bytes are stored as is (``ChunkSpec.leading``: a plane of a Zarr chunk
-    of 64 is 1/64 of its bytes, whatever the box cuts along the later axes); else ``(0, None)``. (Not
-    with ``verify``: checksums cover whole chunks.)"""
-    if src[0] == slice(0, spec.shape[0]):
+def part_of(spec: ChunkSpec, rows: slice) -> tuple[int, ChunkSpec | None]:
+    """``(first, part)``: what to read of ``spec`` for its planes ``rows.start`` to ``rows.stop`` along axis
+    0, as a chunk of its own holding the chunk's planes from ``first`` on: those planes alone when its
+    bytes are stored as is (``ChunkSpec.leading``: a plane of a Zarr chunk of 64 is 1/64 of its bytes,
+    whatever is cut along the later axes), else the planes up to ``rows.stop`` decoded from a head of a
+    zstd chunk's stored bytes (``ChunkSpec.head``); ``(0, None)``: the whole chunk. For a box's read
+    (``read_region``) and a box's streamed map (``array._box_as_map``); not with ``verify`` (checksums
+    cover whole chunks)."""
+    if rows.start == 0 and rows.stop == spec.shape[0]:
         return 0, None
-    part = spec.leading(src[0].start, src[0].stop)
-    return (src[0].start, part) if part is not None else (0, None)
+    part = spec.leading(rows.start, rows.stop)
+    if part is not None:
+        return rows.start, part
+    return spec.head(rows.start, rows.stop) or (0, None)
 
 
 def _overlap(index: tuple, edges: list, region: tuple) -> tuple[tuple, tuple, bool]:

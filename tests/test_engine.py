@@ -210,13 +210,26 @@ def test_a_verified_chunk_is_checked_with_the_landed_chunks_of_its_submission(tm
     assert calls == [8]  # none hashed twice
 
 
-def test_an_unverified_plain_chunk_finishes_alone(tmp_path, monkeypatch):
-    """Without ``verify`` a chunk read as stored needs no work of the others: asking for it
-    finishes it alone, so the first chunk a viewer needs waits for nothing else."""
+def test_an_unverified_plain_chunk_finishes_with_the_landed_run_after_it_and_waits_for_no_other(tmp_path,
+                                                                                               monkeypatch):
+    """Without ``verify`` a chunk read as stored needs no work of the others: asking for it finishes
+    it with the chunks right after it whose reads are in (one finish for a consumer taking them in
+    order), up to the first still reading, so the first chunk a viewer needs waits for no other read."""
+    from gpulazy.io import _posix
     from gpulazy.read import engine
 
     p, data = _raw(tmp_path, shape=(4, 16, 16))
     vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(1, 16, 16), device="cpu", cache=False)
+    specs = list(vol.chunk_index.specs.values())
+    gate, real_preadv = threading.Event(), _posix._preadv
+    third = specs[2].ranges[0]
+
+    def held(fd, buffers, offset):                                    # chunk 2's read waits at the gate
+        if third.offset <= offset < third.offset + third.nbytes:
+            assert gate.wait(30)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(_posix, "_preadv", held)
     finished = []
     real = engine.Reads._finish
 
@@ -225,11 +238,20 @@ def test_an_unverified_plain_chunk_finishes_alone(tmp_path, monkeypatch):
         return real(self, idx)
 
     monkeypatch.setattr(engine.Reads, "_finish", spy)
-    reads = start(list(vol.chunk_index.specs.values()), get_backend("posix", "cpu"))
-    for f in reads.futures:
-        f.result()
-    np.testing.assert_array_equal(reads.chunk(1), data[1:2])
-    assert finished == [[1]]
+    try:
+        reads = start(specs, get_backend("posix", "cpu", threads=2))
+        for i in (0, 1, 3):
+            reads.futures[i].result()
+        assert not reads.futures[2].done()
+        np.testing.assert_array_equal(reads.chunk(0), data[0:1])
+        assert finished == [[0, 1]]                                   # not 2 (reading), nor 3 behind it
+        np.testing.assert_array_equal(reads.chunk(1), data[1:2])
+        assert finished == [[0, 1]]                                   # finished already
+    finally:
+        gate.set()
+    np.testing.assert_array_equal(reads.chunk(2), data[2:3])
+    np.testing.assert_array_equal(reads.chunk(3), data[3:4])
+    assert finished == [[0, 1], [2, 3]]
 
 
 def test_a_chunk_whose_read_landed_is_not_held_up_by_a_thread_waiting_for_another(tmp_path, monkeypatch):

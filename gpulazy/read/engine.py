@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from contextlib import nullcontext
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -179,13 +178,25 @@ class Reads:
         # verified chunk read as stored finishes with the others of its kind that have landed:
         # one hash kernel and one wait for all of them, where each pick task of a dask compute
         # would otherwise hash and wait for its own (0.80-0.90 x the plain read through dask's
-        # threads, against 0.90-1.10 x together, on an H100).
+        # threads, against 0.90-1.10 x together, on an H100). Another chunk read as stored
+        # finishes with those after it whose reads are in, up to the first still reading: one
+        # finish (and one stat of their files) for the run, where a consumer taking the chunks
+        # in order (a streamed map, between calls of its function) paid one each.
         assembled = self.specs[i].is_assembled
         if not assembled and not self.verify:
-            return [i]
+            return [i, *self._landed_after(i)]
         return [j for j in range(len(self.specs)) if j == i or (
             self.outcomes[j] is _PENDING and self.specs[j].is_assembled == assembled
             and (assembled or self.futures[j].done()))]
+
+    def _landed_after(self, i: int) -> Iterator[int]:
+        """The pending chunks read as stored right after ``i`` whose reads are in, up to the first
+        that is not (at most ``_LANDED_SCAN``): reads land about in order, so this costs about one
+        ``done()`` a chunk."""
+        for j in range(i + 1, min(len(self.specs), i + 1 + _LANDED_SCAN)):
+            if self.outcomes[j] is not _PENDING or self.specs[j].is_assembled or not self.futures[j].done():
+                return
+            yield j
 
     def result(self) -> list[Any]:
         """Every chunk, in order; the first error is raised once every read has settled."""
@@ -202,9 +213,8 @@ class Reads:
 
     def _finish(self, idx: list[int]) -> None:
         # Lock held. Wait for the reads of ``idx``, then decode and place them on gpulazy's stream.
-        from gpulazy.read.decode import assemble_into, place_plain
-
-        _verify_together([self.futures[i] for i in idx])
+        if self.verify:
+            _verify_together([self.futures[i] for i in idx])
         for i in idx:
             try:
                 self.futures[i].result()
@@ -217,24 +227,12 @@ class Reads:
         # A chunk that landed in place in native byte order needs no device work of gpulazy's:
         # its staged copy was waited for above. Entering (and waiting for) gpulazy's stream costs
         # tens of microseconds a chunk, the scheduler's thread's time under read-ahead.
-        queued = pieces or any(not self.inplace[i] or self.specs[i].needs_byteswap for i in plain)
-        with dev.activate(), (own_stream(dev) if queued else nullcontext()):  # waited for on leaving
-            if plain:
-                try:
-                    placed = place_plain([self.bufs[i] for i in plain], [self.dests[i] for i in plain],
-                                         [self.specs[i] for i in plain], dev, [self.inplace[i] for i in plain])
-                except BaseException as e:  # the launch itself: every chunk of it
-                    placed = [e] * len(plain)
-                for i, arr in zip(plain, placed):
-                    self.outcomes[i] = arr
-            if pieces:
-                try:
-                    arrays = assemble_into([self.bufs[i] for i in pieces], [self.specs[i] for i in pieces],
-                                           [self.dests[i] for i in pieces], dev)
-                except BaseException as e:  # one chunk alone (several: each gets its own outcome)
-                    arrays = [e] * len(pieces)
-                for i, arr in zip(pieces, arrays):
-                    self.outcomes[i] = arr
+        if not pieces and all(self.inplace[i] and not self.specs[i].needs_byteswap for i in plain):
+            for i in plain:
+                self.outcomes[i] = self.dests[i]  # landed where it lives
+        else:
+            with dev.activate(), own_stream(dev):  # waited for on leaving
+                self._place(plain, pieces)
         for i in pieces:
             if _short_head(self.specs[i], self.outcomes[i]):
                 self.outcomes[i] = self._whole_instead(i)
@@ -247,6 +245,29 @@ class Reads:
             error = self.checked.pop(i, None)  # written to during the read: bytes may be mixed
             if error is not None and not isinstance(self.outcomes[i], BaseException):
                 self.outcomes[i] = error
+
+    def _place(self, plain: list[int], pieces: list[int]) -> None:
+        # Lock held, on gpulazy's stream: chunks read as stored put in place (byte-swapped, copied
+        # into destinations their bytes did not land in), chunks of stored pieces decoded.
+        from gpulazy.read.decode import assemble_into, place_plain
+
+        dev = self.device
+        if plain:
+            try:
+                placed = place_plain([self.bufs[i] for i in plain], [self.dests[i] for i in plain],
+                                     [self.specs[i] for i in plain], dev, [self.inplace[i] for i in plain])
+            except BaseException as e:  # the launch itself: every chunk of it
+                placed = [e] * len(plain)
+            for i, arr in zip(plain, placed):
+                self.outcomes[i] = arr
+        if pieces:
+            try:
+                arrays = assemble_into([self.bufs[i] for i in pieces], [self.specs[i] for i in pieces],
+                                       [self.dests[i] for i in pieces], dev)
+            except BaseException as e:  # one chunk alone (several: each gets its own outcome)
+                arrays = [e] * len(pieces)
+            for i, arr in zip(pieces, arrays):
+                self.outcomes[i] = arr
 
     def _whole_instead(self, i: int) -> Any:
         # Lock held. Head ``i``'s frame cannot serve it (``HeadShort``: it needs more stored bytes, or a

@@ -374,9 +374,9 @@ def streamed_passes(vol: Any, busy: Callable, whole: Any, rows: int, scheduler: 
     return {"streamed": streamed_pass(streamed), "read streamed": streamed_pass(streamed_read), "compute loop": loop}
 
 
-def streamed_ratio(r: dict[str, float]) -> float:
-    """A round's streamed pass over max(the faster read alone, the faster compute alone)."""
-    return r["streamed"] / max(min(r["read"], r["read streamed"]), min(r["compute"], r["compute loop"]))
+def streamed_ratio(r: dict[str, float], name: str = "streamed") -> float:
+    """A round's pass ``name`` (the streamed pass) over max(the faster read alone, the faster compute alone)."""
+    return r[name] / max(min(r["read"], r["read streamed"]), min(r["compute"], r["compute loop"]))
 
 
 # --------------------------------------------------------------------------- output

@@ -57,17 +57,20 @@ def test_run_on_cpu_reports_both_ratios(capsys):
     r = floor.run(device="cpu", chunks=6, chunk_mib=0.0625, depth=2, compute="xp", repeat=2)
     assert r["floor_bytes_equal"] and len(r["rounds"]) == 2
     assert set(r["rounds"][0]) == {"read", "compute", "prefetch", "floor", "floor read", "streamed", "read streamed",
-                                   "compute loop"}
+                                   "compute loop", "streamed floor"}
     for name in ("prefetch", "floor"):
         expect = sorted(x[name] / max(x["read"], x["compute"]) for x in r["rounds"])
         assert r["ratio_" + name] == pytest.approx(sum(expect) / 2)
     expect = sorted(x["streamed"] / max(min(x["read"], x["read streamed"]), min(x["compute"], x["compute loop"]))
                     for x in r["rounds"])
     assert r["ratio_streamed"] == pytest.approx(sum(expect) / 2)
+    expect = sorted(x["streamed floor"] / max(min(x["read"], x["read streamed"]), min(x["compute"], x["compute loop"]))
+                    for x in r["rounds"])
+    assert r["ratio_streamed_floor"] == pytest.approx(sum(expect) / 2)
     assert floor.main(["--device", "cpu", "--chunks", "4", "--chunk-mib", "0.0625", "--depth", "2", "--compute", "xp",
                        "--repeat", "1"]) == 0
     out = capsys.readouterr().out
-    assert "ratio floor" in out and "ratio prefetch" in out and "ratio streamed" in out
+    assert "ratio floor" in out and "ratio prefetch" in out and "ratio streamed" in out and "ratio streamed floor" in out
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,3 +128,31 @@ def test_run_with_an_old_tree_reports_new_over_old():
     expect = sorted(x["prefetch"] / x["prefetch old"] for x in r["rounds"])
     assert r["new_over_old"] == pytest.approx(sum(expect) / 2) and r["old"] == "HEAD"
     assert "HEAD's" in floor.table(r) and "ratio prefetch old" in floor.table(r)
+
+
+def test_the_streamed_floor_reads_every_chunk_and_calls_f_on_each_in_order(raw):
+    from gpulazy.device import get_device
+
+    path, data = raw
+    mf = floor.MapFloor(path, 32, 6, get_device("cpu"), shape=(2, 4))
+    seen = []
+    try:
+        mf.run(lambda chunk: seen.append(chunk.copy()))
+    finally:
+        mf.close()
+    assert len(seen) == 6
+    for k, chunk in enumerate(seen):
+        np.testing.assert_array_equal(chunk, data[2 * k:2 * k + 2])
+
+
+def test_the_streamed_floor_raises_on_a_short_read(tmp_path):
+    from gpulazy.device import get_device
+
+    path = tmp_path / "short.raw"
+    np.zeros(12, np.float32).tofile(path)  # 48 bytes: chunk 1 of 32 bytes is cut short
+    mf = floor.MapFloor(str(path), 32, 2, get_device("cpu"), shape=(2, 4))
+    try:
+        with pytest.raises(OSError, match="short read"):
+            mf.run(lambda chunk: None)
+    finally:
+        mf.close()

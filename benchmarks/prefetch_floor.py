@@ -51,30 +51,19 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-class FloorReader:
-    """Reads chunk ``k`` of a raw file (``nbytes`` each) into pinned slots, ``depth`` ahead of the tasks."""
+class _RawFile:
+    """A raw file opened for a floor's reads: a KvikIO ``CuFile`` on a GPU, a descriptor and a pool of
+    8 threads for ``preadv`` on the CPU."""
 
-    def __init__(self, path: str, nbytes: int, depth: int, slots: int, dev: Any, *, shape: tuple, ahead: bool):
-        self.nbytes, self.depth, self.dev = nbytes, depth, dev
-        self.shape, self.ahead = shape, ahead
-        self._lock = threading.Lock()
-        self._inflight: dict[int, list] = {}  # chunk -> [slot, read future, device array, copy event]
-        self._order: list[int] = []
-        self._next = 0
+    def __init__(self, path: str, dev: Any):
+        self.dev = dev
         if dev.is_gpu:
-            import cupy
             import kvikio
 
             self._file = kvikio.CuFile(path, "r")
-            self._mem = [cupy.cuda.alloc_pinned_memory(nbytes) for _ in range(slots)]
-            self._host = [np.frombuffer(m, np.uint8, nbytes) for m in self._mem]
-            with dev.activate():
-                self._stream = cupy.cuda.Stream(non_blocking=True)
         else:
             self._fd = os.open(path, os.O_RDONLY)
             self._pool = ThreadPoolExecutor(8)
-            self._host = [np.empty(nbytes, np.uint8) for _ in range(slots)]
-        self._free = list(range(slots))
 
     def close(self) -> None:
         if self.dev.is_gpu:
@@ -82,6 +71,29 @@ class FloorReader:
         else:
             self._pool.shutdown()
             os.close(self._fd)
+
+
+class FloorReader(_RawFile):
+    """Reads chunk ``k`` of a raw file (``nbytes`` each) into pinned slots, ``depth`` ahead of the tasks."""
+
+    def __init__(self, path: str, nbytes: int, depth: int, slots: int, dev: Any, *, shape: tuple, ahead: bool):
+        super().__init__(path, dev)
+        self.nbytes, self.depth = nbytes, depth
+        self.shape, self.ahead = shape, ahead
+        self._lock = threading.Lock()
+        self._inflight: dict[int, list] = {}  # chunk -> [slot, read future, device array, copy event]
+        self._order: list[int] = []
+        self._next = 0
+        if dev.is_gpu:
+            import cupy
+
+            self._mem = [cupy.cuda.alloc_pinned_memory(nbytes) for _ in range(slots)]
+            self._host = [np.frombuffer(m, np.uint8, nbytes) for m in self._mem]
+            with dev.activate():
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+        else:
+            self._host = [np.empty(nbytes, np.uint8) for _ in range(slots)]
+        self._free = list(range(slots))
 
     def start_pass(self, order: list[int]) -> None:
         with self._lock:
@@ -149,7 +161,7 @@ class FloorReader:
         entry[2], entry[3] = out, event
 
 
-class MapFloor:
+class MapFloor(_RawFile):
     """The least a streamed map can do: every chunk's read submitted at once into a destination allocated
     once (before any pass), then ``f`` called on each chunk in turn as its read is in (on a GPU on a
     non-blocking stream, as ``gpulazy.read.mapped`` calls it). No allocation a pass, no chunk specs, no
@@ -157,26 +169,16 @@ class MapFloor:
     (On the CPU: a thread pool's ``preadv`` into host arrays.)"""
 
     def __init__(self, path: str, nbytes: int, chunks: int, dev: Any, *, shape: tuple):
-        self.nbytes, self.chunks, self.dev = nbytes, chunks, dev
+        super().__init__(path, dev)
+        self.nbytes, self.chunks = nbytes, chunks
         if dev.is_gpu:
             import cupy
-            import kvikio
 
-            self._file = kvikio.CuFile(path, "r")
             with dev.activate():
                 self.dests = [cupy.empty(shape, np.float32) for _ in range(chunks)]
                 self._stream = cupy.cuda.Stream(non_blocking=True)
         else:
-            self._fd = os.open(path, os.O_RDONLY)
-            self._pool = ThreadPoolExecutor(8)
             self.dests = [np.empty(shape, np.float32) for _ in range(chunks)]
-
-    def close(self) -> None:
-        if self.dev.is_gpu:
-            self._file.close()
-        else:
-            self._pool.shutdown()
-            os.close(self._fd)
 
     def run(self, f: Any) -> None:
         """One pass: read every chunk, ``f`` on each as its read is in."""

@@ -210,26 +210,32 @@ def test_a_verified_chunk_is_checked_with_the_landed_chunks_of_its_submission(tm
     assert calls == [8]  # none hashed twice
 
 
+def _hold_read(monkeypatch, byte_range: ByteRange) -> threading.Event:
+    """Make the POSIX backend's reads inside ``byte_range`` wait until the returned event is set."""
+    from gpulazy.io import _posix
+
+    gate, real_preadv = threading.Event(), _posix._preadv
+
+    def held(fd, buffers, offset):
+        if byte_range.offset <= offset < byte_range.offset + byte_range.nbytes:
+            assert gate.wait(30)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(_posix, "_preadv", held)
+    return gate
+
+
 def test_an_unverified_plain_chunk_finishes_with_the_landed_run_after_it_and_waits_for_no_other(tmp_path,
                                                                                                monkeypatch):
     """Without ``verify`` a chunk read as stored needs no work of the others: asking for it finishes
     it with the chunks right after it whose reads are in (one finish for a consumer taking them in
     order), up to the first still reading, so the first chunk a viewer needs waits for no other read."""
-    from gpulazy.io import _posix
     from gpulazy.read import engine
 
     p, data = _raw(tmp_path, shape=(4, 16, 16))
     vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(1, 16, 16), device="cpu", cache=False)
     specs = list(vol.chunk_index.specs.values())
-    gate, real_preadv = threading.Event(), _posix._preadv
-    third = specs[2].ranges[0]
-
-    def held(fd, buffers, offset):                                    # chunk 2's read waits at the gate
-        if third.offset <= offset < third.offset + third.nbytes:
-            assert gate.wait(30)
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(_posix, "_preadv", held)
+    gate = _hold_read(monkeypatch, specs[2].ranges[0])              # chunk 2's read waits at the gate
     finished = []
     real = engine.Reads._finish
 
@@ -257,20 +263,10 @@ def test_an_unverified_plain_chunk_finishes_with_the_landed_run_after_it_and_wai
 def test_a_chunk_whose_read_landed_is_not_held_up_by_a_thread_waiting_for_another(tmp_path, monkeypatch):
     """Dask's threads each wait for their own chunk of one submission: a chunk whose read is in
     is handed out while another thread still waits for an earlier chunk's read."""
-    from gpulazy.io import _posix
-
     p, data = _raw(tmp_path, shape=(2, 16, 16))
     vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(1, 16, 16), device="cpu", cache=False)
     specs = list(vol.chunk_index.specs.values())
-    gate, real_preadv = threading.Event(), _posix._preadv
-    first = specs[0].ranges[0]
-
-    def held(fd, buffers, offset):                                    # chunk 0's read waits at the gate
-        if first.offset <= offset < first.offset + first.nbytes:
-            assert gate.wait(30)
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(_posix, "_preadv", held)
+    gate = _hold_read(monkeypatch, specs[0].ranges[0])              # chunk 0's read waits at the gate
     waiting, got = threading.Event(), {}
 
     class Announced:                                                  # says when a thread waits on it
@@ -326,17 +322,7 @@ def test_one_stat_checks_the_chunks_whose_reads_landed_before_it(tmp_path, monke
         np.testing.assert_array_equal(reads.chunk(i), data[i:i + 1])
     assert len(stats) == 1
 
-    from gpulazy.io import _posix
-
-    gate, real_preadv = threading.Event(), _posix._preadv
-    chunk7 = specs[7].ranges[0]
-
-    def held(fd, buffers, offset):                                    # chunk 7's read waits at the gate
-        if chunk7.offset <= offset < chunk7.offset + chunk7.nbytes:
-            gate.wait(30)
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(_posix, "_preadv", held)
+    gate = _hold_read(monkeypatch, specs[7].ranges[0])              # chunk 7's read waits at the gate
     try:
         late = start(specs[6:], get_backend("posix", "cpu", threads=2))
         np.testing.assert_array_equal(late.chunk(0), data[6:7])      # its stat: chunk 7 not landed

@@ -112,9 +112,10 @@ class ChunkSource:
     def load(self, spec: ChunkSpec) -> Any:
         """The chunk's array, through the cache when there is one."""
         from gpulazy.memory import retry_on_oom
+        from gpulazy.read.engine import reading
 
         cache = self.cache_instance()
-        what = f"reading chunk {spec.index} of {spec.paths[0]!r}" if spec.ranges else "reading a chunk"
+        what = reading([spec])
         if cache is None:
             return retry_on_oom(lambda: self.read(spec), device=get_device(self.device), nbytes=spec.out_nbytes,
                                 what=what)

@@ -576,3 +576,15 @@ def test_a_kept_handle_never_hides_a_change(tmp_path, change):
     again = list(gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(2, 16, 16), device="cpu",
                                     cache=False).chunk_index.specs.values())
     np.testing.assert_array_equal(np.concatenate(read(again, backend)), new)
+
+
+def test_an_out_of_memory_error_names_what_was_being_read(tmp_path):
+    """``reading`` is what ``start_retrying`` and the dask path's chunk loads put in a ``DeviceMemoryError``."""
+    from gpulazy.read.engine import reading
+
+    p = str(tmp_path / "a.raw")
+    specs = [ChunkSpec((ByteRange(p, 8 * i, 8),), (4,), "<u2", index=(i,)) for i in range(3)]
+    assert reading(specs[1:2]) == f"reading chunk (1,) of {p!r}"
+    assert reading(specs) == f"reading 3 chunks from (0,) of {p!r}"
+    empty = ChunkSpec((), (0,), "<u2", index=(0,))
+    assert reading([empty]) == "reading a chunk" and reading([empty, empty]) == "reading chunks"

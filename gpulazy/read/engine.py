@@ -48,7 +48,7 @@ from gpulazy.integrity import as_read_error, unchanged_each
 from gpulazy.io import Backend, ReadFuture
 from gpulazy.spec import ChunkSpec, FileIdentity
 
-__all__ = ["Reads", "start", "start_retrying", "read", "byte_view"]
+__all__ = ["Reads", "start", "start_retrying", "read", "reading", "byte_view"]
 
 _PENDING = object()
 #: The most chunks after those finishing that ``Reads._check_landed`` checks with their stat.
@@ -87,11 +87,19 @@ def start_retrying(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[
     from gpulazy.memory import retry_on_oom
 
     specs = list(specs)
-    first = specs[0]
-    what = (f"reading {len(specs)} chunks from {first.index} of {first.paths[0]!r}" if first.ranges
-            else "reading chunks")
     return retry_on_oom(lambda: start(specs, backend, outs, verify=verify, staged=staged), device=backend.device,
-                        nbytes=sum(s.out_nbytes for s in specs), what=what)
+                        nbytes=sum(s.out_nbytes for s in specs), what=reading(specs))
+
+
+def reading(specs: Sequence[ChunkSpec]) -> str:
+    """What reading ``specs`` is, for an out-of-memory error: ``"reading chunk (3, 0) of '/data/a.zarr/3.0'"``,
+    ``"reading 16 chunks from (0, 0) of ..."``."""
+    first = specs[0]
+    if not first.ranges:
+        return "reading a chunk" if len(specs) == 1 else "reading chunks"
+    if len(specs) == 1:
+        return f"reading chunk {first.index} of {first.paths[0]!r}"
+    return f"reading {len(specs)} chunks from {first.index} of {first.paths[0]!r}"
 
 
 def read(specs: Sequence[ChunkSpec], backend: Backend, outs: Sequence[Any] | None = None, *,

@@ -122,7 +122,6 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
     # Keys name content, not place: two chunks of the same bytes (pieces never written, read as the
     # fill value: an HDF5 chunk table's missing chunks share one key) are one key at two places.
     cuts: dict[str, list[tuple]] = {}  # key of a chunk (or of the part read of it) -> [(slices in it, in ``out``)]
-    heads: set[str] = set()  # keys of the chunks' head reads (``ChunkSpec.head``)
 
     def copy_hit(spec: ChunkSpec, entry: Any, src: tuple, dst: tuple) -> None:
         check_unchanged(spec)  # a cached chunk of a file changed since indexing is never served
@@ -144,8 +143,6 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             """What is read of each chunk the box cuts: the part it needs, or all of it."""
             for spec, src, dst in cut:
                 first, part = part_of(spec, src[0]) if not source.verify else (0, None)
-                if part is not None and part.is_head:
-                    heads.add(part.key)
                 src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
                 if part is not None and part.shape == tuple(s.stop - s.start for s in src):
                     yield part, out[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
@@ -169,7 +166,7 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             # them 24 ms instead of 1.4) and kept a slot the last nvCOMP call waited for: [1:129] of a
             # 2 GiB zstd Zarr took 60-62 ms that way, 53-57 with heads last (RESULTS.md, nineteenth session).
             todo.extend(parts())
-            todo.sort(key=lambda item: 2 if item[0].key in heads else 0 if item[1] is None else 1)
+            todo.sort(key=lambda item: 2 if item[0].is_head else 0 if item[1] is None else 1)
             reads: Iterable[tuple[ChunkSpec, Any]] = todo
             like: list[ChunkSpec] | None = None
         else:

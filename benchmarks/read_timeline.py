@@ -75,7 +75,10 @@ def medians(cases: dict[str, Callable[[], Any]], dev: Any, rounds: int) -> dict[
 #: Functions whose calls the timeline shows too (module, attribute path): what comes before the
 #: first submission.
 CALLS = [("gpulazy.read.whole", "inflight_room"), ("gpulazy.read.whole", "part_of"),
-         ("gpulazy.read.whole", "read_in_order"), ("gpulazy.device", "Device.alloc_many")]
+         ("gpulazy.read.whole", "read_in_order"), ("gpulazy.device", "Device.alloc_many"),
+         # A finish's reads are all in when it starts placing (``_place``); its files are stat'ed after.
+         ("gpulazy.read.engine", "Reads._place"), ("gpulazy.read.engine", "Reads._check_landed"),
+         ("gpulazy.read.whole", "_copy_part")]
 
 
 class Timeline:

@@ -588,3 +588,58 @@ def test_an_out_of_memory_error_names_what_was_being_read(tmp_path):
     assert reading(specs) == f"reading 3 chunks from (0,) of {p!r}"
     empty = ChunkSpec((), (0,), "<u2", index=(0,))
     assert reading([empty]) == "reading a chunk" and reading([empty, empty]) == "reading chunks"
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 8), data=st.data(), dtype=st.sampled_from(["<u2", ">u2"]))
+def test_asked_in_any_order_chunks_equal_the_file_and_no_finish_takes_a_chunk_still_reading(n, data, dtype):
+    """Chunks read as stored, some held in flight: asked for in any order (a held one once let go),
+    each equals the file's bytes, and no finish (a chunk with the landed run after it) ever holds a
+    chunk whose read was still held, nor finishes one twice."""
+    import tempfile
+    from unittest import mock
+
+    from gpulazy.io import _posix
+    from gpulazy.read import engine
+
+    held = set(data.draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n - 1), label="held"))
+    order = data.draw(st.permutations(range(n)), label="order")
+    with tempfile.TemporaryDirectory() as tmp:
+        values = np.random.default_rng(n).integers(0, 60000, (n, 4, 8)).astype(dtype)
+        p = os.path.join(tmp, "v.raw")
+        values.tofile(p)
+        vol = gpulazy.from_files(p, shape=values.shape, dtype=dtype, chunks=(1, 4, 8), device="cpu", cache=False)
+        specs = list(vol.chunk_index.specs.values())
+        gates = {specs[i].ranges[0].offset: threading.Event() for i in held}
+        real_preadv, real_finish = _posix._preadv, engine.Reads._finish
+        finished: list[int] = []
+
+        def gated(fd, buffers, offset):
+            gate = gates.get(offset)
+            if gate is not None:
+                assert gate.wait(30)
+            return real_preadv(fd, buffers, offset)
+
+        def spy(self, idx):
+            assert not [i for i in idx if specs[i].ranges[0].offset in gates
+                        and not gates[specs[i].ranges[0].offset].is_set()], "a held chunk was finished"
+            finished.extend(idx)
+            return real_finish(self, idx)
+
+        with mock.patch.object(_posix, "_preadv", gated), mock.patch.object(engine.Reads, "_finish", spy):
+            try:
+                # (a thread a read: none waits behind a held one)
+                reads = start(specs, get_backend("posix", "cpu", threads=8))
+                for i in range(n):
+                    if i not in held:
+                        reads.futures[i].result()                 # every read not held has landed
+                for i in order:
+                    if i in held:
+                        gates[specs[i].ranges[0].offset].set()    # let it land, then ask for it
+                    native = values[i:i + 1].astype(values.dtype.newbyteorder("="))
+                    np.testing.assert_array_equal(reads.chunk(i), native)
+            finally:
+                for gate in gates.values():
+                    gate.set()
+                reads.settle()
+        assert sorted(finished) == list(range(n))                 # each chunk finished once

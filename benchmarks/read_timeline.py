@@ -73,7 +73,7 @@ def medians(cases: dict[str, Callable[[], Any]], dev: Any, rounds: int) -> dict[
 
 
 #: Functions whose calls the timeline shows too (module, attribute path): what comes before the
-#: first submission.
+#: first submission, and what a submission's finish does once its reads are in (placing, stats, copies).
 CALLS = [("gpulazy.read.whole", "inflight_room"), ("gpulazy.read.whole", "part_of"),
          ("gpulazy.read.whole", "read_in_order"), ("gpulazy.device", "Device.alloc_many"),
          # A finish's reads are all in when it starts placing (``_place``); its files are stat'ed after.

@@ -13,19 +13,21 @@ from gpulazy.codecs.pieces import Pieces
 
 
 def _walk(table: np.ndarray, word: int, total: int, memory: np.ndarray) -> None:
-    """The kernel's loop over ``total`` words, on a host byte array whose offsets stand for addresses."""
+    """The kernel's loop over ``total`` units, on a host byte array whose offsets stand for addresses."""
     starts = table[:, 0]
     for u in range(total):
         t = table[np.searchsorted(starts, u, side="right") - 1]
-        local = u - t[0]
-        row, w = divmod(local, t[3])
+        local, words = u - t[0], t[3]
+        runs = place.runs(words)
+        row, r = divmod(local, runs)
         so = do = 0
         for d in range(t[4]):
             row, i = divmod(row, t[5 + d])
             so += i * t[5 + place.MAXD + d]
             do += i * t[5 + 2 * place.MAXD + d]
-        s, dst = t[1] + so + w * word, t[2] + do + w * word
-        memory[dst:dst + word] = memory[s:s + word]
+        for w in range(r, words, runs):
+            s, dst = t[1] + so + w * word, t[2] + do + w * word
+            memory[dst:dst + word] = memory[s:s + word]
 
 
 def _batch(memory: np.ndarray, chunk: np.ndarray, tiles: list[tuple[np.ndarray, tuple[int, ...]]]) -> tuple:
@@ -87,7 +89,7 @@ def test_a_c_order_tile_into_a_c_order_chunk_goes_in_the_launch_with_the_widest_
     chunk = memory[:2048].view("<u2").reshape(32, 32)
     tile = memory[2048:2048 + 512].view("<u2").reshape(16, 16)
     table, word, total, rest = place.plan([_batch(memory, chunk, [(tile, (16, 0))])])
-    assert rest == [] and word == 16 and total == 16 * 32 // 16  # 16 rows of 32 bytes, two words each
+    assert rest == [] and word == 16 and total == 16  # 16 rows of 32 bytes: two words, one unit each
     assert list(table[0, :5]) == [0, 2048, 16 * 64, 2, 1]  # the tile's start, row 16 of the chunk
 
 
@@ -100,8 +102,25 @@ def test_tiles_of_two_layouts_share_one_table_in_order_and_a_word_that_divides_b
     table, word, total, rest = place.plan([_batch(memory, a, [(ta, (0, 8)), (ta, (8, 8))]),
                                            _batch(memory, b, [(tb, (7, 13))])])
     assert rest == [] and word == 4  # the u4 row of 3 elements is 12 bytes: 4 divides everything
-    assert len(table) == 3 and list(table[:, 0]) == [0, 32, 64]  # 8 rows of 16 bytes = 32 words, each
+    assert len(table) == 3 and list(table[:, 0]) == [0, 8, 16]  # 8 rows of 16 bytes (4 words, a unit), each
     assert table[2, 1] == 4096 and table[2, 2] == 512 + 7 * 64 + 13 * 4 and table[2, 3] == 3
+
+
+@pytest.mark.parametrize("row_words", [place.RUN - 1, place.RUN, place.RUN + 1, 3 * place.RUN + 5])
+def test_a_row_longer_than_a_run_is_copied_in_units_each_every_runs_th_word(row_words):
+    """A row of more than ``RUN`` words is several units (threads), each copying every ``runs``-th word
+    from its own first: every word once, none twice, as NumPy places the tile."""
+    cols = 16 * row_words // 2  # u2 elements: a C-order row of 16-byte words
+    memory = np.zeros(4 * cols * 2 + 2 * cols * 2 + 64, np.uint8)
+    chunk = memory[:4 * cols * 2].view("<u2").reshape(4, cols)
+    tile = memory[4 * cols * 2:4 * cols * 2 + 2 * cols * 2].view("<u2").reshape(2, cols)
+    tile[...] = np.arange(2 * cols, dtype="<u2").reshape(2, cols) + 1
+    table, word, total, rest = place.plan([_batch(memory, chunk, [(tile, (1, 0))])])
+    assert word == 16 and table[0, 3] == row_words and total == 2 * place.runs(row_words) and rest == []
+    _walk(table, word, total, memory)
+    want = np.zeros((4, cols), "<u2")
+    want[1:3] = tile
+    np.testing.assert_array_equal(chunk, want)
 
 
 def test_a_tile_wholly_outside_the_chunk_is_neither_placed_nor_left_over():
@@ -138,13 +157,37 @@ def test_the_kernel_places_every_tile_like_numpy(layout):
         place.assign(want, host, origin)
     place.place(pairs)
     np.testing.assert_array_equal(chunk.get(), want)
-    # the same tiles as bare decoded bytes (no array made of each), into a fresh chunk
+    _placed_from_bytes_too(cp, pairs, shape, tshape, dtype, order, want)
+
+
+def _placed_from_bytes_too(cp, pairs, shape, tshape, dtype, order, want):
+    """The same tiles as bare decoded bytes (no array made of each), placed into a fresh chunk."""
     again = cp.zeros(shape, dtype)
     raws = [cp.asarray(np.ascontiguousarray(t.get().T if order == "F" else t.get())).reshape(-1).view(np.uint8)
             for _, t, _ in pairs]
     place.place_decoded([again] * len(pairs), Pieces.of(raws), [tshape] * len(pairs), [order] * len(pairs),
                         [origin for _, _, origin in pairs])
     np.testing.assert_array_equal(again.get(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,tile,dtype", [((64, 512, 2048), (64, 256, 256), "<u2"),  # a Zarr's stored chunks
+                                              ((3, 1000), (2, 333), "u1"),  # rows of odd bytes: small words
+                                              ((5, 300), (4, 77), "<f8")])
+def test_the_kernel_places_tiles_with_rows_of_many_words_like_numpy(shape, tile, dtype):
+    """Rows of more than ``place.RUN`` words: several threads a row (the layouts above keep rows short)."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(2)
+    chunk = cp.zeros(shape, dtype)
+    want = np.zeros(shape, dtype)
+    pairs = []
+    for origin in _origins(shape, tile, (0,) * len(shape)):
+        host = rng.integers(1, 200, tile).astype(dtype)
+        pairs.append((chunk, cp.asarray(host), origin))
+        place.assign(want, host, origin)
+    place.place(pairs)
+    np.testing.assert_array_equal(chunk.get(), want)
+    _placed_from_bytes_too(cp, pairs, shape, tile, dtype, "C", want)
 
 
 def test_groups_grow_from_the_first_size_to_the_cap_and_keep_every_item_in_order():

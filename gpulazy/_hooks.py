@@ -112,27 +112,32 @@ class FastPathHooks:
 
 
 class ChunkHooks:
-    """``FastPathHooks`` told chunk by chunk by a streamed map (``gpulazy.read.mapped``): a chunk's read
-    task ``(read_name, *index)`` as the chunk is handed out, then the tasks computed from that chunk
-    alone (the map's, and an inner map's for a map of a map: every other key of the graph with that
-    block index, in the graph's order) around the call. Thread-safe: on the CPU the calls run on
-    several threads, and the hooks a dask scheduler calls are never called concurrently."""
+    """``FastPathHooks`` told chunk by chunk by a streamed map (``gpulazy.read.mapped``): a block's read
+    tasks ``(name, *index)`` (one of each name of ``read_names`` the graph has: a block of two arrays'
+    chunks is two reads) as the block is handed out, then the tasks computed from it (the map's, and an
+    inner map's for a map of a map: every other key of the graph with that block index, in the graph's
+    order) around the call. Thread-safe: on the CPU the calls run on several threads, and the hooks a
+    dask scheduler calls are never called concurrently."""
 
-    def __init__(self, hooks: FastPathHooks, read_name: str):
+    def __init__(self, hooks: FastPathHooks, read_names: tuple[str, ...]):
         import threading
 
-        self.hooks, self.read_name = hooks, read_name
+        self.hooks, self.read_names = hooks, read_names
         self.derived: dict[tuple, list] = {}
         for key in hooks.dsk:
-            if isinstance(key, tuple) and key[0] != read_name:
+            if isinstance(key, tuple) and key[0] not in read_names:
                 self.derived.setdefault(key[1:], []).append(key)
         self.lock = threading.Lock()
 
-    def read(self, index: tuple, chunk: Any) -> None:
-        key = (self.read_name, *index)
+    def read(self, index: tuple, block: Any) -> None:
+        """``block``: the chunk, or a pair's ``(first's, second's)`` (one of each read name, in order)."""
+        parts = block if isinstance(block, tuple) else (block,) * len(self.read_names)
         with self.lock:
-            self.hooks.pretask(key)
-            self.hooks.posttask(key, chunk)
+            for name, part in zip(self.read_names, parts):
+                key = (name, *index)
+                if key in self.hooks.dsk:
+                    self.hooks.pretask(key)
+                    self.hooks.posttask(key, part)
 
     def calling(self, index: tuple) -> None:
         with self.lock:

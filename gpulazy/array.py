@@ -334,9 +334,7 @@ def _array_class() -> type:
 
                 return run_stream(*chain, threaded=_threaded(kwargs))
             mapped = _map_of(self)
-            # (a progress bar is told of one read a block: a block of two arrays' chunks goes to dask)
-            if mapped is not None and _local_compute(kwargs) and not (
-                    _active_callbacks(kwargs) and isinstance(next(iter(mapped[1].values()), None), tuple)):
+            if mapped is not None and _local_compute(kwargs):
                 self.compute_path = "fast"
                 return self._map_with_hooks(mapped, kwargs)
             if self._fast_path_ok(kwargs):
@@ -370,7 +368,7 @@ def _array_class() -> type:
             from gpulazy._hooks import ChunkHooks, FastPathHooks, active_callbacks
             from gpulazy.read.mapped import run_map
 
-            name, specs, source, chunks, func, given, read_name = mapped
+            name, specs, source, chunks, func, given, read_names = mapped
             cbs = active_callbacks(kwargs.get("callbacks"))
             if not cbs:
                 return run_map(specs, source, chunks, func, given, self.dtype, threaded=_threaded(kwargs))
@@ -378,7 +376,7 @@ def _array_class() -> type:
             hooks.start()
             try:
                 out = run_map(specs, source, chunks, func, given, self.dtype, threaded=_threaded(kwargs),
-                              hooks=ChunkHooks(hooks, read_name))
+                              hooks=ChunkHooks(hooks, read_names))
             except BaseException:
                 hooks.finish(True)
                 raise
@@ -398,12 +396,10 @@ def _array_class() -> type:
             """``out`` (dask's array of ``func(block, **given)`` for each block of ``self``) as a gpulazy
             array whose ``compute()`` streams (``_gl_map_of``); ``self`` is the files or a streamed map."""
             specs, source, before = _files_of(self)
-            read_name = self.name
             if before is not None:  # a map of a map: one call a chunk, the functions in turn
                 func, given = _Then(before, (func, given)), {}
-                read_name = self._gl_map_of[6]
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            mapped._gl_map_of = (out.name, specs, source, out.chunks, func, given, read_name)
+            mapped._gl_map_of = (out.name, specs, source, out.chunks, func, given, _read_names(self))
             return mapped
 
         # -- elementwise operations with scalars and arrays in memory stream as maps -------------
@@ -432,7 +428,8 @@ def _array_class() -> type:
             a streamed map whose blocks are pairs of chunks read in one pass (``gpulazy.read.pairs``)."""
             specs, source, first = _files_of(self)
             theirs, _, second = _files_of(other)
-            if all(spec.key == theirs[i].key for i, spec in specs.items()):
+            same = all(spec.key == theirs[i].key for i, spec in specs.items())
+            if same:
                 # The same chunks on both sides (``vol - vol.map_blocks(f)``, ``np.where(vol > 5, vol, 0)``):
                 # read once, each side made of the one chunk, as dask's tasks share the one read.
                 units, both = specs, _Both(first, second, same=True)
@@ -443,7 +440,9 @@ def _array_class() -> type:
                 both = None if first is None and second is None else _Both(first, second)
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
             func = func if both is None else _Then((both, {}), (func, {}))
-            mapped._gl_map_of = (out.name, units, source, out.chunks, func, {}, self.name)
+            names = _read_names(self) + _read_names(other)  # (a block of the one chunk: each name once)
+            mapped._gl_map_of = (out.name, units, source, out.chunks, func, {},
+                                 tuple(dict.fromkeys(names)) if same else names)
             return mapped
 
         @property
@@ -557,6 +556,14 @@ def _files_of(arr: Any) -> tuple[dict, ChunkSource, tuple | None] | None:
     return None if mapped is None else (mapped[1], mapped[2], (mapped[4], mapped[5]))
 
 
+def _read_names(arr: Any) -> tuple[str, ...]:
+    """The names of the read tasks of ``arr``'s graph that a streamed map of it reads (a progress bar
+    hears of each, ``ChunkHooks``): its own for an array of files, its map's for a streamed map."""
+    if getattr(arr, "_gl_name", None) == arr.name:
+        return (arr.name,)
+    return _map_of(arr)[6]
+
+
 def _map_of(arr: Any) -> tuple | None:
     """``arr``'s streamed map (``_gl_map_of``) when it is one, not changed in place; a box's is made on
     first use (``_box_as_map``: a box's own ``compute()`` needs none)."""
@@ -599,7 +606,7 @@ def _box_as_map(box: Any) -> tuple | None:
             spec, cut = part, (slice(cut[0].start - first, cut[0].stop - first, cut[0].step),) + cut[1:]
         specs[new] = spec.at(new)
         cuts[new] = tuple(c.start if a in dropped else c for a, c in enumerate(cut))
-    return box.name, specs, source, box.chunks, _Cut(cuts, flip), {}, box.name
+    return box.name, specs, source, box.chunks, _Cut(cuts, flip), {}, (box.name,)
 
 
 def _along(lo: int, hi: int, step: int, chunks: tuple[int, ...]) -> list[tuple[int, slice, int]]:

@@ -774,22 +774,37 @@ def test_two_arrays_that_cannot_stream_together_are_dask_s_and_right(tmp_path):
     assert gpulazy.stats().snapshot()["bytes_read"] - before == dv.nbytes
 
 
-def test_a_pair_with_a_progress_bar_is_dask_s(tmp_path):
-    """A progress bar hears of one read a block from a streamed map: a block of two arrays' chunks goes to
-    dask's tasks, which it follows as ever."""
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+@pytest.mark.parametrize("make", ["a - b", "a * 2 - b", "a - a.map_blocks(f)", "a - a2", "(a - b).map_blocks(f)"])
+def test_a_pair_streams_under_callbacks_that_hear_of_every_task_once(tmp_path, scheduler, make):
+    """A callback (a progress bar) does not send a block of two arrays' chunks back to dask's tasks: the
+    streamed pass tells it of each task of the graph once, a pretask before its posttask, both reads of
+    a pair among them (one, where both sides are made of the one chunk read)."""
     a, av = _volume(tmp_path, seed=1)
     b, bv = _volume(tmp_path, seed=2)
-    seen = []
+    a2 = gpulazy.from_files(a.chunk_index.paths[0], shape=a.shape, dtype=a.dtype, chunks=a.chunksize, device="cpu")
+    f = lambda x: x + 1  # noqa: E731
+    arr = eval(make, {"a": a, "b": b, "a2": a2, "f": f})
+    want = eval(make, {"a": av, "b": bv, "a2": av, "f": f}) if "map_blocks" not in make else (
+        av - (av + 1) if make.startswith("a -") else (av - bv) + 1)
+    pre, post = [], []
 
     class Count(Callback):
-        def _posttask(self, key, result, dsk, state, id):
-            seen.append(key)
+        def _pretask(self, key, dsk, state):
+            pre.append(key)
 
-    diff = a - b
+        def _posttask(self, key, result, dsk, state, id):
+            assert key in pre
+            post.append(key)
+
     with Count():
-        got = diff.compute(scheduler="sync")
-    assert diff.compute_path == "dask" and seen
-    np.testing.assert_array_equal(got, av - bv)
+        got = arr.compute(scheduler=scheduler)
+    assert arr.compute_path == "fast"
+    np.testing.assert_array_equal(got, want)
+    graph = dict(arr.__dask_graph__())
+    assert sorted(map(str, post)) == sorted(map(str, pre)) == sorted(map(str, graph))
+    reads = {k[0] for k in post if k[0] in (a.name, b.name, a2.name)}
+    assert reads == {n for n in (a.name, b.name, a2.name) if any(k[0] == n for k in graph)} and len(reads) >= 1
 
 
 @pytest.mark.parametrize("reduced", [False, True])

@@ -133,14 +133,23 @@ def _agree(xp: Any, ours: Any, ref: Any) -> bool:
 
 
 def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable, paths: list[str], plane_bytes: int,
-                  total: int, pair: tuple[Any, Any]) -> dict[str, tuple[Callable, Callable, Callable, int, str]]:
+                  total: int, pair: tuple[Any, Any], quarters: tuple[Any, ...]
+                  ) -> dict[str, tuple[Callable, Callable, Callable, int, str]]:
     """The issue-20 rows: name -> (gpulazy, raw KvikIO + the same op, naive dask, source bytes, whole row)."""
-    half = len(paths) // 2
+    half, q = len(paths) // 2, len(paths) // 4
     a, b = pair
 
     def raw_pair() -> Any:
         planes = rawv()
         return (planes[:half] - planes[half:2 * half]).max(axis=0)
+
+    def raw_quarters() -> Any:
+        planes = rawv()
+        return (planes[:q] + planes[q:2 * q] + planes[2 * q:3 * q] + planes[3 * q:4 * q]).max(axis=0)
+
+    def naive_quarters() -> Any:
+        parts = [naive[k * q:(k + 1) * q] for k in range(4)]
+        return (parts[0] + parts[1] + parts[2] + parts[3]).max(axis=0).compute()
 
     return {
         "MIP max(axis=0)": (lambda: vol.max(axis=0).compute(), lambda: rawv().max(axis=0),
@@ -169,6 +178,10 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
         "(a - b).max(axis=0), two arrays": (lambda: (a - b).max(axis=0).compute(), raw_pair,
                                             lambda: (naive[:half] - naive[half:2 * half]).max(axis=0).compute(),
                                             2 * half * plane_bytes, "planes compute()"),
+        # Four arrays (the files' quarters): all read in one streamed pass, a block of four chunks.
+        "(a + b + c + d).max(axis=0), four arrays": (
+            lambda: (quarters[0] + quarters[1] + quarters[2] + quarters[3]).max(axis=0).compute(), raw_quarters,
+            naive_quarters, 4 * q * plane_bytes, "planes compute()"),
     }
 
 
@@ -251,7 +264,10 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
         row("planes compute()", lambda: vol.compute(), rawv, lambda: naive.compute(), whole=None)
         pair = tuple(gpulazy.from_files(part, shape=shape, dtype="uint16", device=dev.name, cache=False)
                      for part in (paths[:half], paths[half:2 * half]))
-        derived = _derived_rows(vol, big, naive, rawv, raw, paths, plane_bytes, total, pair)
+        quarter = len(paths) // 4
+        quarters = tuple(gpulazy.from_files(paths[k * quarter:(k + 1) * quarter], shape=shape, dtype="uint16",
+                                            device=dev.name, cache=False) for k in range(4))
+        derived = _derived_rows(vol, big, naive, rawv, raw, paths, plane_bytes, total, pair, quarters)
         for name, (ours, raw_fn, naive_fn, nbytes, whole) in derived.items():
             row(name, ours, raw_fn, naive_fn, nbytes, whole)
         row("[:half] compute()", lambda: vol[:half].compute(),
@@ -273,7 +289,7 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
                 "gpulazy": gbps(_best(with_config(ours, fused_reductions=False), repeat, sync), nbytes)},
                 rows_out[whole], rows_out[name].get("raw"))
         for name in ("map_blocks(b * 2)", "map_blocks(b * 2).max(axis=0)", "(vol * 2).max(axis=0)",
-                     "(a - b).max(axis=0), two arrays"):
+                     "(a - b).max(axis=0), two arrays", "(a + b + c + d).max(axis=0), four arrays"):
             ours, _, _, nbytes, whole = derived[name]
             rows_out[f"{name}, streamed_maps=False (dask's tasks)"] = _ratios({
                 "gpulazy": gbps(_best(with_config(ours, streamed_maps=False), repeat, sync), nbytes)},

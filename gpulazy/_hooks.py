@@ -113,8 +113,8 @@ class FastPathHooks:
 
 class ChunkHooks:
     """``FastPathHooks`` told chunk by chunk by a streamed map (``gpulazy.read.mapped``): a block's read
-    tasks ``(name, *index)`` (one of each name of ``read_names`` the graph has: a block of two arrays'
-    chunks is two reads) as the block is handed out, then the tasks computed from it (the map's, and an
+    tasks ``(name, *index)`` (one of each name of ``read_names`` the graph has: a block of several
+    arrays' chunks is a read of each) as the block is handed out, then the tasks computed from it (the map's, and an
     inner map's for a map of a map: every other key of the graph with that block index, in the graph's
     order) around the call. Thread-safe: on the CPU the calls run on several threads, and the hooks a
     dask scheduler calls are never called concurrently."""
@@ -130,12 +130,14 @@ class ChunkHooks:
         self.lock = threading.Lock()
 
     def read(self, index: tuple, block: Any) -> None:
-        """``block``: the chunk, or a pair's ``(first's, second's)`` (one of each read name, in order)."""
+        """``block``: the chunk, or the tuple of a block's chunks (one of each read name, in order)."""
         parts = block if isinstance(block, tuple) else (block,) * len(self.read_names)
+        told = set()  # (an array twice among the operands, ``(a - b) - a``: its chunk read twice, one task)
         with self.lock:
             for name, part in zip(self.read_names, parts):
                 key = (name, *index)
-                if key in self.hooks.dsk:
+                if key in self.hooks.dsk and key not in told:
+                    told.add(key)
                     self.hooks.pretask(key)
                     self.hooks.posttask(key, part)
 

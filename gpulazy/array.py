@@ -38,6 +38,7 @@ __all__ = ["from_files", "multiscale", "read_file", "read_files", "GpulazyArray"
 # The task functions live below the graph code (``gpulazy._tasks``): the read layer and the
 # prefetch planner recognise read tasks by them without importing this module.
 from gpulazy._tasks import ChunkSource, load_chunk, pick, read_batch  # noqa: E402
+from gpulazy.read.pairs import members  # noqa: E402
 
 
 # -- from_files ---------------------------------------------------------------------------
@@ -425,19 +426,22 @@ def _array_class() -> type:
 
         def _gl_as_pair(self, out: Any, other: Any, func: Any) -> Any:
             """``out``, dask's array of ``func`` of this array's and ``other``'s blocks (``_pairs_with``), as
-            a streamed map whose blocks are pairs of chunks read in one pass (``gpulazy.read.pairs``)."""
+            a streamed map whose blocks are tuples of chunks read in one pass (``gpulazy.read.pairs``): a
+            chunk of each, or of each array either side is made of (``(a - b) + c``: three)."""
             specs, source, first = _files_of(self)
             theirs, _, second = _files_of(other)
-            same = all(spec.key == theirs[i].key for i, spec in specs.items())
+            left = len(members(next(iter(specs.values()))))
+            same = left == 1 and all(not isinstance(theirs[i], tuple) and spec.key == theirs[i].key
+                                     for i, spec in specs.items())
             if same:
                 # The same chunks on both sides (``vol - vol.map_blocks(f)``, ``np.where(vol > 5, vol, 0)``):
                 # read once, each side made of the one chunk, as dask's tasks share the one read.
                 units, both = specs, _Both(first, second, same=True)
             else:
-                # ``other``'s chunks as objects of their own (same bytes, same keys): a pair tells its
-                # chunks apart by identity. Each side's own map first (``vol * 2 - other``).
-                units = {i: (spec, theirs[i].at(i)) for i, spec in specs.items()}
-                both = None if first is None and second is None else _Both(first, second)
+                # ``other``'s chunks as objects of their own (same bytes, same keys): a block tells its
+                # chunks apart by identity. Each side's own map first (``vol * 2 - other``, ``(a - b) + c``).
+                units = {i: (*members(unit), *(s.at(i) for s in members(theirs[i]))) for i, unit in specs.items()}
+                both = None if first is None and second is None else _Both(first, second, split=left)
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
             func = func if both is None else _Then((both, {}), (func, {}))
             names = _read_names(self) + _read_names(other)  # (a block of the one chunk: each name once)
@@ -696,15 +700,21 @@ class _Elementwise:
 
 
 def _pairs_with(arr: Any, other: Any) -> bool:
-    """Whether ``other``'s blocks can stream beside ``arr``'s in one pass (``a - b``): a gpulazy array of
-    files (or a streamed map of them) with ``arr``'s chunks, read through the same source (device,
-    backend, cache, ``verify``), neither of them a pair already."""
+    """Whether ``other``'s blocks can stream beside ``arr``'s in one pass (``a - b``, ``(a - b) + c``): a
+    gpulazy array of files (or a streamed map of them, maybe itself of several arrays) with ``arr``'s
+    chunks, read through the same source (device, backend, cache, ``verify``), the two together of at
+    most ``_MOST_ARRAYS`` arrays' chunks."""
     if not isinstance(other, _array_class()) or other.chunks != arr.chunks:
         return False
     mine, theirs = _files_of(arr), _files_of(other)
     if mine is None or theirs is None or mine[1] != theirs[1]:
         return False
-    return not any(isinstance(next(iter(files[0].values()), None), tuple) for files in (mine, theirs))
+    return sum(len(members(next(iter(files[0].values()), ()))) for files in (mine, theirs)) <= _MOST_ARRAYS
+
+
+#: The most arrays' chunks a streamed block is made of (``a + b + c + ...``): each holds a chunk of
+#: every one of them in flight, and dask's tasks read an operation of more.
+_MOST_ARRAYS = 8
 
 
 def _in_memory(value: Any, shape: tuple[int, ...]) -> bool:
@@ -811,18 +821,24 @@ class _Then:
 
 
 class _Both:
-    """Each array's own streamed map of a block of two arrays' chunks (``vol * 2 - other``): the pair
-    ``(f(a's chunk), g(b's chunk))``, a side without a map (``None``) as it is; ``same``: both sides are
-    made of the one chunk read (``vol - vol.map_blocks(f)``)."""
+    """Each side's own streamed map of a block of several arrays' chunks (``vol * 2 - other``,
+    ``(a - b) + c``): ``(f(left), g(right))``, ``left`` the block's first ``split`` chunks (one chunk, or
+    the tuple of them: a side that is itself an operation of arrays), ``right`` the rest, a side without
+    a map (``None``) as it is; ``same``: both sides are made of the one chunk read
+    (``vol - vol.map_blocks(f)``)."""
 
     takes_index = True
 
-    def __init__(self, first: tuple | None, second: tuple | None, same: bool = False):
-        self.sides, self.same = (first, second), same
+    def __init__(self, first: tuple | None, second: tuple | None, same: bool = False, split: int = 1):
+        self.sides, self.same, self.split = (first, second), same, split
         self.__name__ = "both"
 
-    def __call__(self, pair: Any, index: tuple[int, ...]) -> tuple:
-        chunks = (pair, pair) if self.same else pair
+    def __call__(self, block: Any, index: tuple[int, ...]) -> tuple:
+        if self.same:
+            chunks = (block, block)
+        else:
+            k = self.split
+            chunks = (block[0] if k == 1 else block[:k], block[k] if len(block) == k + 1 else block[k:])
         return tuple(chunk if side is None else _apply(side, chunk, index)
                      for side, chunk in zip(self.sides, chunks))
 

@@ -14,7 +14,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overlap.py"
 sys.path.insert(0, str(BENCH.parent))  # the benchmarks import as modules, as test_bench_cache does
 DERIVED = ["MIP max(axis=0)", "[1:half+1] compute()", "astype(f8).sum()", "mean()", "map_blocks(b * 2)",
-           "(a - b).max(axis=0), two arrays"]
+           "(a - b).max(axis=0), two arrays", "(a + b + c + d).max(axis=0), four arrays"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,7 @@ def test_rows_ratios_and_read_ahead_sweep(bench, tmp_path, capsys):
     dask_map = rows["map_blocks(b * 2), streamed_maps=False (dask's tasks)"]
     assert dask_map["x_whole"] == pytest.approx(dask_map["gpulazy"] / whole["planes compute()"]["gpulazy"])
     assert rows["(a - b).max(axis=0), two arrays, streamed_maps=False (dask's tasks)"]["gpulazy"] > 0
+    assert rows["(a + b + c + d).max(axis=0), four arrays, streamed_maps=False (dask's tasks)"]["gpulazy"] > 0
     cached = rows["MIP again from DeviceCache"]
     assert cached["x_reread"] > 0
     assert cached["x_raw"] == pytest.approx(cached["gpulazy"] / rows["MIP max(axis=0)"]["raw"])

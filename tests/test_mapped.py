@@ -652,9 +652,8 @@ def test_chains_of_casts_and_ops_stream_and_what_needs_more_than_the_block_does_
     other, _ = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=1)
     changed = vol.copy()
     changed[0, 0, 0] = 1
-    third, _ = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=2)
     not_streamed = {
-        "three files' arrays": vol + other + third,
+        "a changed array beside another": other + changed,
         "an array that grows the result": vol + np.ones((2, 12, 6, 10), "u2"),
         "a ufunc keyword": np.add(vol, 1, dtype="f8"),
         "a changed array": changed * 2,
@@ -705,13 +704,19 @@ def test_arrays_in_memory_among_the_operands_give_each_block_its_part(tmp_path, 
         np.testing.assert_array_equal(arr.max(axis=0).compute(scheduler=scheduler), want.max(axis=0), err_msg=what)
 
 
-_PAIRED = {
-    "a - b": (lambda a, b: a - b, lambda a, b: a - b),
-    "np.maximum(a, b)": (lambda a, b: np.maximum(a, b), lambda a, b: np.maximum(a, b)),
-    "(a.astype(f4) - b) / 2": (lambda a, b: (a.astype("f4") - b) / 2, lambda a, b: (a.astype("f4") - b) / 2),
-    "a * 2 - b.map_blocks(f)": (lambda a, b: a * 2 - b.map_blocks(lambda x: x // 3),
-                                lambda a, b: a * 2 - b // 3),
-    "b > a": (lambda a, b: b > a, lambda a, b: b > a),
+_PAIRED = {  # gpulazy's, NumPy's, the arrays read (an array twice among the operands: read twice)
+    "a - b": (lambda a, b, c: a - b, lambda a, b, c: a - b, "ab"),
+    "np.maximum(a, b)": (lambda a, b, c: np.maximum(a, b), lambda a, b, c: np.maximum(a, b), "ab"),
+    "(a.astype(f4) - b) / 2": (lambda a, b, c: (a.astype("f4") - b) / 2, lambda a, b, c: (a.astype("f4") - b) / 2,
+                               "ab"),
+    "a * 2 - b.map_blocks(f)": (lambda a, b, c: a * 2 - b.map_blocks(lambda x: x // 3),
+                                lambda a, b, c: a * 2 - b // 3, "ab"),
+    "b > a": (lambda a, b, c: b > a, lambda a, b, c: b > a, "ab"),
+    "a + b + c": (lambda a, b, c: a + b + c, lambda a, b, c: a + b + c, "abc"),
+    "(a - b) * (c - a)": (lambda a, b, c: (a.astype("i4") - b) * (c - a), lambda a, b, c: (a.astype("i4") - b) * (c - a),
+                          "abca"),
+    "np.maximum(a - b, c * 2).map_blocks(f)": (lambda a, b, c: np.maximum(a - b, c * 2).map_blocks(lambda x: x // 3),
+                                               lambda a, b, c: np.maximum(a - b, c * 2) // 3, "abc"),
 }
 
 
@@ -720,9 +725,10 @@ _PAIRED = {
        capacity=st.sampled_from([None, "2 KiB", "1 MiB"]), scheduler=st.sampled_from(["sync", "threads"]))
 def test_an_operation_between_two_arrays_streams_both_in_one_pass(tmp_path_factory, data, op, then, capacity,
                                                                  scheduler):
-    """``a - b`` of two arrays of files with the same chunks, read through the same source: one streamed
-    pass reads both, each block's operation called once both its chunks have landed; its reductions
-    stream too. Values as dask's; each chunk read once (a cache holding some of them reads those not)."""
+    """``a - b`` of two arrays of files with the same chunks, read through the same source (or ``a + b + c``
+    of three): one streamed pass reads them all, each block's operation called once its chunks have
+    landed; its reductions stream too. Values as dask's; each chunk read once (a cache holding some of
+    them reads those not; an array twice among the operands, twice)."""
     shape = data.draw(st.tuples(st.integers(1, 7), st.integers(1, 5), st.integers(1, 4)), label="shape")
     chunks = tuple(data.draw(st.integers(1, n)) for n in shape)
     path = tmp_path_factory.mktemp("pair")
@@ -730,24 +736,26 @@ def test_an_operation_between_two_arrays_streams_both_in_one_pass(tmp_path_facto
     try:
         a, av = _volume(path, shape=shape, chunks=chunks, seed=1, cache=cache)
         b, bv = _volume(path, shape=shape, chunks=chunks, seed=2, cache=cache)
+        c, cv = _volume(path, shape=shape, chunks=chunks, seed=3, cache=cache)
         if capacity:  # some of ``a``'s chunks cached: a block of a hit and a read
             a[: chunks[0]].map_blocks(lambda x: x).compute(scheduler="sync")
-        ours, numpys = _PAIRED[op]
+        ours, numpys, reads = _PAIRED[op]
         made = {"compute": lambda r: r, "max0": lambda r: r.max(axis=0), "sum": lambda r: r.sum(),
                 "mean12": lambda r: r.mean(axis=(1, 2))}[then]
-        paired = ours(a, b)
-        assert paired._gl_map_of is not None and isinstance(next(iter(paired._gl_map_of[1].values())), tuple)
+        paired = ours(a, b, c)
+        assert paired._gl_map_of is not None and len(next(iter(paired._gl_map_of[1].values()))) == len(reads)
         r = made(paired)
         before = gpulazy.stats().snapshot()["bytes_read"]
         got = r.compute(scheduler=scheduler)
         assert r.compute_path == "fast"
         read = gpulazy.stats().snapshot()["bytes_read"] - before
-        assert read <= av.nbytes + bv.nbytes and (capacity or read == av.nbytes + bv.nbytes)
-        want = made(numpys(av, bv))
+        nbytes = sum({"a": av, "b": bv, "c": cv}[k].nbytes for k in reads)
+        assert read <= nbytes and (capacity or read == nbytes)
+        want = made(numpys(av, bv, cv))
         assert got.dtype == np.asarray(want).dtype
         np.testing.assert_allclose(got, want, rtol=1e-6)
         with gpulazy.config.set(streamed_maps=False):  # dask's own tasks agree
-            np.testing.assert_allclose(made(ours(a, b)).compute(scheduler=scheduler), want, rtol=1e-6)
+            np.testing.assert_allclose(made(ours(a, b, c)).compute(scheduler=scheduler), want, rtol=1e-6)
     finally:
         if capacity:
             cache.close()
@@ -761,8 +769,11 @@ def test_two_arrays_that_cannot_stream_together_are_dask_s_and_right(tmp_path):
     cases = {
         "other chunks": (a - other_chunks, av - cv),
         "another cache": (a - other_cache, av - dv),
-        "a pair and a third array": ((a - b) + a.map_blocks(lambda x: x), av - bv + av),
     }
+    many = [_volume(tmp_path, shape=(12, 6, 10), chunks=(3, 6, 5), seed=10 + k) for k in range(9)]
+    eight = sum((v for v, _ in many[1:8]), many[0][0])
+    assert len(next(iter(eight._gl_map_of[1].values()))) == 8  # eight arrays stream together
+    cases["a ninth array"] = (eight + many[8][0], sum(d for _, d in many))
     for what, (arr, want) in cases.items():
         assert getattr(arr, "_gl_map_of", None) is None, what
         np.testing.assert_array_equal(arr.compute(), want, err_msg=what)
@@ -775,18 +786,18 @@ def test_two_arrays_that_cannot_stream_together_are_dask_s_and_right(tmp_path):
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
-@pytest.mark.parametrize("make", ["a - b", "a * 2 - b", "a - a.map_blocks(f)", "a - a2", "(a - b).map_blocks(f)"])
-def test_a_pair_streams_under_callbacks_that_hear_of_every_task_once(tmp_path, scheduler, make):
-    """A callback (a progress bar) does not send a block of two arrays' chunks back to dask's tasks: the
-    streamed pass tells it of each task of the graph once, a pretask before its posttask, both reads of
-    a pair among them (one, where both sides are made of the one chunk read)."""
+@pytest.mark.parametrize("make,numpys", [("a - b", "a - b"), ("a * 2 - b", "a * 2 - b"),
+                                         ("a - a.map_blocks(f)", "a - (a + 1)"), ("a - a2", "a - a"),
+                                         ("(a - b).map_blocks(f)", "(a - b) + 1"), ("(a - b) * (b - a2)", "(a - b) * (b - a)")])
+def test_a_pair_streams_under_callbacks_that_hear_of_every_task_once(tmp_path, scheduler, make, numpys):
+    """A callback (a progress bar) does not send a block of several arrays' chunks back to dask's tasks:
+    the streamed pass tells it of each task of the graph once, a pretask before its posttask, the reads
+    of a block among them (one, where both sides are made of the one chunk read)."""
     a, av = _volume(tmp_path, seed=1)
     b, bv = _volume(tmp_path, seed=2)
     a2 = gpulazy.from_files(a.chunk_index.paths[0], shape=a.shape, dtype=a.dtype, chunks=a.chunksize, device="cpu")
-    f = lambda x: x + 1  # noqa: E731
-    arr = eval(make, {"a": a, "b": b, "a2": a2, "f": f})
-    want = eval(make, {"a": av, "b": bv, "a2": av, "f": f}) if "map_blocks" not in make else (
-        av - (av + 1) if make.startswith("a -") else (av - bv) + 1)
+    arr = eval(make, {"a": a, "b": b, "a2": a2, "f": lambda x: x + 1})
+    want = eval(numpys, {"a": av, "b": bv})
     pre, post = [], []
 
     class Count(Callback):
@@ -846,13 +857,15 @@ def test_numpy_s_where_and_clip_stream_as_maps(tmp_path, scheduler):
 
 
 @pytest.mark.gpu
-def test_an_operation_between_two_arrays_streams_on_the_gpu(tmp_path):
+def test_an_operation_between_two_or_three_arrays_streams_on_the_gpu(tmp_path):
     import cupy
 
     a, av = _volume(tmp_path, shape=(40, 64, 48), chunks=(8, 32, 48), seed=1, device="cuda:0")
     b, bv = _volume(tmp_path, shape=(40, 64, 48), chunks=(8, 32, 48), seed=2, device="cuda:0")
+    c, cv = _volume(tmp_path, shape=(40, 64, 48), chunks=(8, 32, 48), seed=3, device="cuda:0")
     fa = av.astype("f4")
     for r, want in (((a.astype("f4") - b), fa - bv), (np.maximum(a, b).max(axis=0), np.maximum(av, bv).max(axis=0)),
+                    ((a.astype("f4") - b) / (c + 1), (fa - bv) / (cv + 1)), ((a + b + c).max(axis=0), (av + bv + cv).max(axis=0)),
                     ((a.astype("f4") - b * 2).mean(axis=(1, 2)), (fa - bv * 2).mean(axis=(1, 2))),
                     (np.where(a > 500, a, 0), np.where(av > 500, av, 0)), (np.clip(a, 100, 900).sum(), np.clip(av, 100, 900).sum())):
         got = r.compute()

@@ -1,10 +1,12 @@
-"""Chunks of two arrays read in one pass for a function of both (``a - b``, ``np.maximum(a, b)``).
+"""Chunks of several arrays read in one pass for a function of them (``a - b``, ``np.maximum(a, b)``,
+``a + b + c``).
 
 A streamed map's chunks (``gpulazy.read.mapped``, ``gpulazy.read.reduce``) are keyed by block; a block
-of an operation between two arrays of files with the same chunks is a pair of chunks, one of each.
-Both are read by the same engine pass (the pass reads them in block order, ``a``'s chunk then
-``b``'s), and the block is handed on once its second chunk has landed, as the pair ``(a's, b's)``:
-device memory holds the chunks of the blocks in flight, not a second pass's worth of ``b``.
+of an operation between arrays of files with the same chunks is a tuple of chunks, one of each array
+(of each array's files: ``(a - b) * c`` is ``(a's, b's, c's)``). All are read by the same engine pass
+(the pass reads them in block order, each block's chunks in turn), and the block is handed on once its
+last chunk has landed, as the tuple of them: device memory holds the chunks of the blocks in flight,
+not a second pass's worth of ``b``.
 """
 
 from __future__ import annotations
@@ -17,36 +19,38 @@ __all__ = ["Pairs", "members"]
 
 
 def members(unit: Any) -> tuple[ChunkSpec, ...]:
-    """The chunks a block is read from: one, or a pair's two."""
+    """The chunks a block is read from: one, or a tuple's."""
     return unit if isinstance(unit, tuple) else (unit,)
 
 
 class Pairs:
-    """Pairs up chunks as they land: ``add(spec, arr)`` gives ``(spec, block)`` once a block is whole
-    (``block`` the chunk itself, or ``(a's, b's)`` for a pair; ``spec`` the block's first chunk), else
-    ``None``. In the thread that hands the chunks out (one at a time)."""
+    """Puts blocks together from chunks as they land: ``add(spec, arr)`` gives ``(spec, block)`` once a
+    block is whole (``block`` the chunk itself, or the tuple of its chunks' arrays in the block's order;
+    ``spec`` the block's first chunk), else ``None``. In the thread that hands the chunks out (one at a
+    time). A block's chunks are told apart by identity: two of one block may have the same key (the same
+    file's chunk twice among the operands, read twice), never be the same object."""
 
     def __init__(self, units: Any):
-        self.places: dict[int, tuple[ChunkSpec, int]] = {}  # id of a pair's chunk -> (the pair's first, place)
-        self.waiting: dict[int, list] = {}  # id of a pair's first chunk -> the pair's arrays so far
+        self.places: dict[int, tuple[ChunkSpec, int, int]] = {}  # id of a chunk -> (its block's first, place, size)
+        self.waiting: dict[int, list] = {}  # id of a block's first chunk -> its arrays so far
         for unit in units:
             if isinstance(unit, tuple):
                 for place, spec in enumerate(unit):
-                    self.places[id(spec)] = (unit[0], place)
+                    self.places[id(spec)] = (unit[0], place, len(unit))
 
     def add(self, spec: ChunkSpec, arr: Any) -> tuple[ChunkSpec, Any] | None:
         found = self.places.get(id(spec))
         if found is None:
             return spec, arr
-        first, place = found
-        got = self.waiting.setdefault(id(first), [None, None])
+        first, place, size = found
+        got = self.waiting.setdefault(id(first), [None] * size)
         got[place] = arr
-        if got[0] is None or got[1] is None:
+        if any(a is None for a in got):
             return None
         del self.waiting[id(first)]
-        return first, (got[0], got[1])
+        return first, tuple(got)
 
     def check_done(self) -> None:
-        """Raise if a pair is still waiting for a chunk (every chunk read was to be handed in)."""
+        """Raise if a block is still waiting for a chunk (every chunk read was to be handed in)."""
         if self.waiting:
-            raise RuntimeError(f"{len(self.waiting)} blocks of two arrays' chunks missed one of them")
+            raise RuntimeError(f"{len(self.waiting)} blocks of several arrays' chunks missed one of them")

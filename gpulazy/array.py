@@ -38,7 +38,6 @@ __all__ = ["from_files", "multiscale", "read_file", "read_files", "GpulazyArray"
 # The task functions live below the graph code (``gpulazy._tasks``): the read layer and the
 # prefetch planner recognise read tasks by them without importing this module.
 from gpulazy._tasks import ChunkSource, load_chunk, pick, read_batch  # noqa: E402
-from gpulazy.read.pairs import members  # noqa: E402
 
 
 # -- from_files ---------------------------------------------------------------------------
@@ -430,7 +429,7 @@ def _array_class() -> type:
             chunk of each, or of each array either side is made of (``(a - b) + c``: three)."""
             specs, source, first = _files_of(self)
             theirs, _, second = _files_of(other)
-            left = len(members(next(iter(specs.values()))))
+            left = len(_places(next(iter(specs.values()))))
             same = left == 1 and all(not isinstance(theirs[i], tuple) and spec.key == theirs[i].key
                                      for i, spec in specs.items())
             if same:
@@ -439,8 +438,10 @@ def _array_class() -> type:
                 units, both = specs, _Both(first, second, same=True)
             else:
                 # ``other``'s chunks as objects of their own (same bytes, same keys): a block tells its
-                # chunks apart by identity. Each side's own map first (``vol * 2 - other``, ``(a - b) + c``).
-                units = {i: (*members(unit), *(s.at(i) for s in members(theirs[i]))) for i, unit in specs.items()}
+                # chunks apart by identity; one of a file's chunk this side has already is that object
+                # (``(a - b) / (a + b)``: ``a``'s and ``b``'s chunks read once). Each side's own map first
+                # (``vol * 2 - other``, ``(a - b) + c``).
+                units = {i: _joined(unit, theirs[i], i) for i, unit in specs.items()}
                 both = None if first is None and second is None else _Both(first, second, split=left)
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
             func = func if both is None else _Then((both, {}), (func, {}))
@@ -709,7 +710,24 @@ def _pairs_with(arr: Any, other: Any) -> bool:
     mine, theirs = _files_of(arr), _files_of(other)
     if mine is None or theirs is None or mine[1] != theirs[1]:
         return False
-    return sum(len(members(next(iter(files[0].values()), ()))) for files in (mine, theirs)) <= _MOST_ARRAYS
+    return sum(len(_places(next(iter(files[0].values()), ()))) for files in (mine, theirs)) <= _MOST_ARRAYS
+
+
+def _places(unit: Any) -> tuple:
+    """A block's chunks in its operands' order, a chunk once for each place (``pairs.members``: once)."""
+    return unit if isinstance(unit, tuple) else (unit,)
+
+
+def _joined(mine: Any, theirs: Any, index: tuple[int, ...]) -> tuple:
+    """The block of ``mine``'s chunks then ``theirs``' (block ``index``), each of theirs the chunk already in
+    the block with its key where there is one (read once), else an object of its own."""
+    have = {spec.key: spec for spec in _places(mine)}
+    added = []
+    for spec in _places(theirs):
+        if spec.key not in have:
+            have[spec.key] = spec.at(index)
+        added.append(have[spec.key])
+    return (*_places(mine), *added)
 
 
 #: The most arrays' chunks a streamed block is made of (``a + b + c + ...``): each holds a chunk of

@@ -1,5 +1,6 @@
 """``gpulazy.read.pairs``: a block of several arrays' chunks is handed on once its last chunk has landed,
-its chunks told apart by identity (two of one block may share a key), in the block's order."""
+its chunks told apart by identity (two of one block may share a key; one object in two places is one
+chunk, read once), in the block's order."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ def test_a_block_whose_chunks_share_a_key_waits_for_each_of_them():
     with pytest.raises(RuntimeError, match="1 blocks"):
         pairs.check_done()
     assert pairs.add(unit[1], "b") == (a, ("a", "b", "c", "a again"))
+    pairs.check_done()
+
+
+def test_one_chunk_in_two_places_of_a_block_is_read_once_and_fills_both():
+    """``(a - b) / (a + b)``: the block is ``(a, b, a, b)``, two chunks to read."""
+    a, b = _spec("a", (0,)), _spec("b", (0,))
+    unit = (a, b, a, b)
+    assert members(unit) == (a, b)
+    pairs = Pairs([unit])
+    assert pairs.add(b, "b") is None
+    assert pairs.add(a, "a") == (a, ("a", "b", "a", "b"))
     pairs.check_done()
 
 

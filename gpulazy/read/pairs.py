@@ -19,33 +19,37 @@ __all__ = ["Pairs", "members"]
 
 
 def members(unit: Any) -> tuple[ChunkSpec, ...]:
-    """The chunks a block is read from: one, or a tuple's."""
-    return unit if isinstance(unit, tuple) else (unit,)
+    """The chunks a block is read from: one, or a tuple's, each once (``(a - b) / (a + b)``: ``a``'s chunk
+    is in the block twice, read once)."""
+    if not isinstance(unit, tuple):
+        return (unit,)
+    return tuple({id(spec): spec for spec in unit}.values())
 
 
 class Pairs:
     """Puts blocks together from chunks as they land: ``add(spec, arr)`` gives ``(spec, block)`` once a
-    block is whole (``block`` the chunk itself, or the tuple of its chunks' arrays in the block's order;
-    ``spec`` the block's first chunk), else ``None``. In the thread that hands the chunks out (one at a
-    time). A block's chunks are told apart by identity: two of one block may have the same key (the same
-    file's chunk twice among the operands, read twice), never be the same object."""
+    block is whole (``block`` the chunk itself, or the tuple of its chunks' arrays in the block's order,
+    a chunk in each of its places; ``spec`` the block's first chunk), else ``None``. In the thread that
+    hands the chunks out (one at a time). A block's chunks are told apart by identity: one object in two
+    places of a block is one chunk (read once), two objects of one key are two."""
 
     def __init__(self, units: Any):
-        self.places: dict[int, tuple[ChunkSpec, int, int]] = {}  # id of a chunk -> (its block's first, place, size)
+        self.places: dict[int, list[tuple[ChunkSpec, int, int]]] = {}  # id of a chunk -> (its block's first, place, size)
         self.waiting: dict[int, list] = {}  # id of a block's first chunk -> its arrays so far
         for unit in units:
             if isinstance(unit, tuple):
                 for place, spec in enumerate(unit):
-                    self.places[id(spec)] = (unit[0], place, len(unit))
+                    self.places.setdefault(id(spec), []).append((unit[0], place, len(unit)))
 
     def add(self, spec: ChunkSpec, arr: Any) -> tuple[ChunkSpec, Any] | None:
         found = self.places.get(id(spec))
         if found is None:
             return spec, arr
-        first, place, size = found
-        got = self.waiting.setdefault(id(first), [None] * size)
-        got[place] = arr
-        if any(a is None for a in got):
+        first, _, size = found[0]
+        got = self.waiting.setdefault(id(first), [_MISSING] * size)
+        for _, place, _ in found:
+            got[place] = arr
+        if any(a is _MISSING for a in got):
             return None
         del self.waiting[id(first)]
         return first, tuple(got)
@@ -54,3 +58,6 @@ class Pairs:
         """Raise if a block is still waiting for a chunk (every chunk read was to be handed in)."""
         if self.waiting:
             raise RuntimeError(f"{len(self.waiting)} blocks of several arrays' chunks missed one of them")
+
+
+_MISSING = object()

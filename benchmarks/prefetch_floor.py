@@ -330,6 +330,10 @@ def run(*, device: str | None = None, chunks: int = 64, chunk_mib: float = 16.0,
                for name in ("prefetch", "floor", "prefetch old") if name in passes},
             "ratio_streamed": statistics.median(bp.streamed_ratio(r) for r in rounds),
             "ratio_streamed_floor": statistics.median(bp.streamed_ratio(r, "streamed floor") for r in rounds),
+            # Each way over its floor in the same round: the figure that moves least between processes (each
+            # calibrates its compute; a cell's ratios moved by 0.3 between two processes on one H200 host).
+            **{f"{name}_over_floor": statistics.median(r[name] / r[floor_of] for r in rounds)
+               for name, floor_of in (("prefetch", "floor"), ("streamed", "streamed floor"))},
             **({"old": old, "new_over_old": statistics.median(r["prefetch"] / r["prefetch old"] for r in rounds)}
                if old is not None else {}),
             "target_ratio": bp.TARGET_RATIO}
@@ -381,6 +385,8 @@ def table(r: dict[str, Any]) -> str:
                  f"vol.map_blocks(f).compute(); faster of read and read streamed, of compute and compute loop)")
     lines.append(f"ratio streamed floor / the same: {r['ratio_streamed_floor']:.3f} (every read submitted at once "
                  f"into destinations made once, f on each chunk as it is in: the least a streamed map can take)")
+    lines.append(f"each over its floor in the same round, median: prefetch / floor {r['prefetch_over_floor']:.3f}, "
+                 f"streamed / streamed floor {r['streamed_over_floor']:.3f}")
     if "new_over_old" in r:
         lines.append(f"this tree's prefetched pass / {r['old']}'s, median of the rounds: {r['new_over_old']:.3f}")
     return "\n".join(lines)

@@ -65,11 +65,13 @@ def test_run_on_cpu_reports_both_ratios(capsys):
         expect = sorted(x[name] / max(min(x["read"], x["read streamed"]), min(x["compute"], x["compute loop"]))
                         for x in r["rounds"])
         assert r["ratio_" + name.replace(" ", "_")] == pytest.approx(sum(expect) / 2)
+    for name, floor_of in (("prefetch", "floor"), ("streamed", "streamed floor")):  # each over its own floor
+        assert r[f"{name}_over_floor"] == pytest.approx(sum(x[name] / x[floor_of] for x in r["rounds"]) / 2)
     assert floor.main(["--device", "cpu", "--chunks", "4", "--chunk-mib", "0.0625", "--depth", "2", "--compute", "xp",
                        "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "ratio floor" in out and "ratio prefetch" in out and "ratio streamed     /" in out
-    assert "ratio streamed floor" in out
+    assert "ratio streamed floor" in out and "streamed / streamed floor" in out
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -114,10 +114,10 @@ class FastPathHooks:
 class ChunkHooks:
     """``FastPathHooks`` told chunk by chunk by a streamed map (``gpulazy.read.mapped``): a block's read
     tasks ``(name, *index)`` (one of each name of ``read_names`` the graph has: a block of several
-    arrays' chunks is a read of each) as the block is handed out, then the tasks computed from it (the map's, and an
-    inner map's for a map of a map: every other key of the graph with that block index, in the graph's
-    order) around the call. Thread-safe: on the CPU the calls run on several threads, and the hooks a
-    dask scheduler calls are never called concurrently."""
+    arrays' chunks is a read of each) as the block is handed out, then the tasks computed from it (the
+    map's, and an inner map's for a map of a map: every other key of the graph with that block index,
+    in the graph's order) around the call. Thread-safe: on the CPU the calls run on several threads,
+    and the hooks a dask scheduler calls are never called concurrently."""
 
     def __init__(self, hooks: FastPathHooks, read_names: tuple[str, ...]):
         import threading
@@ -132,7 +132,7 @@ class ChunkHooks:
     def read(self, index: tuple, block: Any) -> None:
         """``block``: the chunk, or the tuple of a block's chunks (one of each read name, in order)."""
         parts = block if isinstance(block, tuple) else (block,) * len(self.read_names)
-        told = set()  # (an array twice among the operands, ``(a - b) - a``: its chunk read twice, one task)
+        told = set()  # (an array twice among the operands, ``(a - b) / (a + b)``: one read task)
         with self.lock:
             for name, part in zip(self.read_names, parts):
                 key = (name, *index)

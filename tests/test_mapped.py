@@ -714,8 +714,8 @@ _PAIRED = {  # gpulazy's, NumPy's, the arrays read (an array twice among the ope
                                 lambda a, b, c: a * 2 - b // 3, "ab"),
     "b > a": (lambda a, b, c: b > a, lambda a, b, c: b > a, "ab"),
     "a + b + c": (lambda a, b, c: a + b + c, lambda a, b, c: a + b + c, "abc"),
-    "(a - b) * (c - a)": (lambda a, b, c: (a.astype("i4") - b) * (c - a), lambda a, b, c: (a.astype("i4") - b) * (c - a),
-                          "abc"),
+    "(a - b) * (c - a)": (lambda a, b, c: (a.astype("i4") - b) * (c - a),
+                          lambda a, b, c: (a.astype("i4") - b) * (c - a), "abc"),
     "(a - b) / (a + b + 1)": (lambda a, b, c: (a.astype("f4") - b) / (a + b + 1.0),
                               lambda a, b, c: (a.astype("f4") - b) / (a + b + 1.0), "ab"),
     "np.maximum(a - b, c * 2).map_blocks(f)": (lambda a, b, c: np.maximum(a - b, c * 2).map_blocks(lambda x: x // 3),
@@ -791,7 +791,8 @@ def test_two_arrays_that_cannot_stream_together_are_dask_s_and_right(tmp_path):
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
 @pytest.mark.parametrize("make,numpys", [("a - b", "a - b"), ("a * 2 - b", "a * 2 - b"),
                                          ("a - a.map_blocks(f)", "a - (a + 1)"), ("a - a2", "a - a"),
-                                         ("(a - b).map_blocks(f)", "(a - b) + 1"), ("(a - b) * (b - a2)", "(a - b) * (b - a)")])
+                                         ("(a - b).map_blocks(f)", "(a - b) + 1"),
+                                         ("(a - b) * (b - a2)", "(a - b) * (b - a)")])
 def test_a_pair_streams_under_callbacks_that_hear_of_every_task_once(tmp_path, scheduler, make, numpys):
     """A callback (a progress bar) does not send a block of several arrays' chunks back to dask's tasks:
     the streamed pass tells it of each task of the graph once, a pretask before its posttask, the reads
@@ -868,7 +869,8 @@ def test_an_operation_between_two_or_three_arrays_streams_on_the_gpu(tmp_path):
     c, cv = _volume(tmp_path, shape=(40, 64, 48), chunks=(8, 32, 48), seed=3, device="cuda:0")
     fa = av.astype("f4")
     for r, want in (((a.astype("f4") - b), fa - bv), (np.maximum(a, b).max(axis=0), np.maximum(av, bv).max(axis=0)),
-                    ((a.astype("f4") - b) / (c + 1), (fa - bv) / (cv + 1)), ((a + b + c).max(axis=0), (av + bv + cv).max(axis=0)),
+                    ((a.astype("f4") - b) / (c + 1), (fa - bv) / (cv + 1)),
+                    ((a + b + c).max(axis=0), (av + bv + cv).max(axis=0)),
                     ((a.astype("f4") - b) / (a + b + 1.0), (fa - bv) / (av + bv + 1.0)),
                     ((a.astype("f4") - b * 2).mean(axis=(1, 2)), (fa - bv * 2).mean(axis=(1, 2))),
                     (np.where(a > 500, a, 0), np.where(av > 500, av, 0)), (np.clip(a, 100, 900).sum(), np.clip(av, 100, 900).sum())):

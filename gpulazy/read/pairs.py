@@ -34,7 +34,8 @@ class Pairs:
     places of a block is one chunk (read once), two objects of one key are two."""
 
     def __init__(self, units: Any):
-        self.places: dict[int, list[tuple[ChunkSpec, int, int]]] = {}  # id of a chunk -> (its block's first, place, size)
+        # id of a chunk -> (its block's first chunk, a place of it in the block, the block's size), each place
+        self.places: dict[int, list[tuple[ChunkSpec, int, int]]] = {}
         self.waiting: dict[int, list] = {}  # id of a block's first chunk -> its arrays so far
         for unit in units:
             if isinstance(unit, tuple):

@@ -407,47 +407,51 @@ def _array_class() -> type:
         def _gl_elementwise(self, out: Any, op: Any, args: tuple, kwargs: dict) -> Any:
             """``out``, dask's ``op(*args, **kwargs)`` a block at a time, streamed when it is ``op`` of this
             array's blocks, scalars, arrays in memory that broadcast to a part of it (``vol * 2``,
-            ``np.sqrt(vol)``, ``(vol - dark) / gain`` with ``dark`` a plane) and at most one other gpulazy
-            array whose chunks stream beside this one's (``a - b``, ``_pairs_with``): values, dtype and name
-            are dask's own, each block's ``op`` called with what dask's task for it gets (an array's part
-            of that block)."""
+            ``np.sqrt(vol)``, ``(vol - dark) / gain`` with ``dark`` a plane) and other gpulazy arrays whose
+            chunks stream beside this one's (``a - b``, ``np.where(a > 5, a, b)``, ``_streams_with``): values,
+            dtype and name are dask's own, each block's ``op`` called with what dask's task for it gets (an
+            array's part of that block)."""
             if (out is NotImplemented or kwargs or not config.get("streamed_maps") or _files_of(self) is None
                     or getattr(out, "numblocks", None) != self.numblocks or out.shape != self.shape):
                 return out
-            others = [a for a in args if not (a is self or _scalar(a) or _in_memory(a, self.shape))]
-            partner = others[0] if len(others) == 1 and _pairs_with(self, others[0]) else None
-            if others and partner is None:
+            others = list({id(a): a for a in args
+                           if not (a is self or _scalar(a) or _in_memory(a, self.shape))}.values())
+            if others and not _streams_with(self, others):
                 return out
-            marked = tuple(_BLOCK if a is self else _PARTNER if a is partner else a if _scalar(a) else _Part(a)
+            side = {id(a): _Side(k) for k, a in enumerate(others, 1)}
+            marked = tuple(_BLOCK if a is self else side[id(a)] if id(a) in side else a if _scalar(a) else _Part(a)
                            for a in args)
             func = _Elementwise(op, marked, self.chunks)
-            return self._gl_as_map(out, func, {}) if partner is None else self._gl_as_pair(out, partner, func)
+            return self._gl_as_group(out, others, func) if others else self._gl_as_map(out, func, {})
 
-        def _gl_as_pair(self, out: Any, other: Any, func: Any) -> Any:
-            """``out``, dask's array of ``func`` of this array's and ``other``'s blocks (``_pairs_with``), as
+        def _gl_as_group(self, out: Any, others: list, func: Any) -> Any:
+            """``out``, dask's array of ``func`` of this array's and ``others``' blocks (``_streams_with``), as
             a streamed map whose blocks are tuples of chunks read in one pass (``gpulazy.read.pairs``): a
-            chunk of each, or of each array either side is made of (``(a - b) + c``: three)."""
+            chunk of each, or of each array an operand is made of (``(a - b) + c``: three)."""
             specs, source, first = _files_of(self)
-            theirs, _, second = _files_of(other)
-            left = len(_places(next(iter(specs.values()))))
-            same = left == 1 and all(not isinstance(theirs[i], tuple) and spec.key == theirs[i].key
-                                     for i, spec in specs.items())
-            if same:
+            operands = [(specs, first)] + [(files[0], files[2]) for files in map(_files_of, others)]
+            theirs = operands[1][0]
+            if len(others) == 1 and not isinstance(next(iter(specs.values())), tuple) and all(
+                    not isinstance(theirs[i], tuple) and spec.key == theirs[i].key for i, spec in specs.items()):
                 # The same chunks on both sides (``vol - vol.map_blocks(f)``, ``np.where(vol > 5, vol, 0)``):
                 # read once, each side made of the one chunk, as dask's tasks share the one read.
-                units, both = specs, _Both(first, second, same=True)
+                units, sides = specs, _Sides([first, operands[1][1]], [1, 1], same=True)
             else:
-                # ``other``'s chunks as objects of their own (same bytes, same keys): a block tells its
-                # chunks apart by identity; one of a file's chunk this side has already is that object
-                # (``(a - b) / (a + b)``: ``a``'s and ``b``'s chunks read once). Each side's own map first
+                # Others' chunks as objects of their own (same bytes, same keys): a block tells its chunks
+                # apart by identity; one of a file's chunk the block has already is that object (``(a - b) /
+                # (a + b)``: ``a``'s and ``b``'s chunks read once). Each operand's own map first
                 # (``vol * 2 - other``, ``(a - b) + c``).
-                units = {i: _joined(unit, theirs[i], i) for i, unit in specs.items()}
-                both = None if first is None and second is None else _Both(first, second, split=left)
+                units = {i: functools.reduce(lambda mine, files: _joined(mine, files[0][i], i), operands[1:], unit)
+                         for i, unit in specs.items()}
+                counts = [len(_places(next(iter(files.values())))) for files, _ in operands]
+                maps = [mapping for _, mapping in operands]
+                plain = all(m is None for m in maps) and all(n == 1 for n in counts)
+                sides = None if plain else _Sides(maps, counts)
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            func = func if both is None else _Then((both, {}), (func, {}))
-            names = _read_names(self) + _read_names(other)  # (a block of the one chunk: each name once)
+            func = func if sides is None else _Then((sides, {}), (func, {}))
+            names = sum(map(_read_names, others), _read_names(self))
             mapped._gl_map_of = (out.name, units, source, out.chunks, func, {},
-                                 tuple(dict.fromkeys(names)) if same else names)
+                                 tuple(dict.fromkeys(names)) if units is specs else names)
             return mapped
 
         @property
@@ -664,7 +668,14 @@ class _BlockMark:
 
 
 _BLOCK = _BlockMark("_BLOCK")
-_PARTNER = _BlockMark("_PARTNER")
+
+
+class _Side:
+    """The ``k``-th other gpulazy array among an elementwise operation's operands: each block gets that
+    array's block (the block is then the tuple of every operand's, this array's first)."""
+
+    def __init__(self, k: int):
+        self.k = k
 
 
 class _Part:
@@ -682,35 +693,35 @@ class _Part:
 
 
 class _Elementwise:
-    """``op(*args)`` with each ``_BLOCK`` the block, each ``_PARTNER`` the other array's block (the block
-    is then the pair of them) and each ``_Part`` its part of the block: what dask's elementwise task of
-    the block calls. Called with the block's ``index`` (``takes_index``)."""
+    """``op(*args)`` with each ``_BLOCK`` the block, each ``_Side`` another array's block (the block is
+    then the tuple of the operands' blocks) and each ``_Part`` its part of the block: what dask's
+    elementwise task of the block calls. Called with the block's ``index`` (``takes_index``)."""
 
     takes_index = True
 
     def __init__(self, op: Any, args: tuple, chunks: tuple):
         self.op, self.args = op, args
-        self.paired = any(a is _PARTNER for a in args)
+        self.grouped = any(isinstance(a, _Side) for a in args)
         self.edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
         self.__name__ = getattr(op, "__name__", "elementwise")
 
     def __call__(self, block: Any, index: tuple[int, ...]) -> Any:
-        mine, theirs = block if self.paired else (block, None)
-        return self.op(*(mine if a is _BLOCK else theirs if a is _PARTNER else a.of(self.edges, index)
-                         if isinstance(a, _Part) else a for a in self.args))
+        blocks = block if self.grouped else (block,)
+        return self.op(*(blocks[0] if a is _BLOCK else blocks[a.k] if isinstance(a, _Side) else
+                         a.of(self.edges, index) if isinstance(a, _Part) else a for a in self.args))
 
 
-def _pairs_with(arr: Any, other: Any) -> bool:
-    """Whether ``other``'s blocks can stream beside ``arr``'s in one pass (``a - b``, ``(a - b) + c``): a
-    gpulazy array of files (or a streamed map of them, maybe itself of several arrays) with ``arr``'s
-    chunks, read through the same source (device, backend, cache, ``verify``), the two together of at
-    most ``_MOST_ARRAYS`` arrays' chunks."""
-    if not isinstance(other, _array_class()) or other.chunks != arr.chunks:
+def _streams_with(arr: Any, others: list) -> bool:
+    """Whether ``others``' blocks can stream beside ``arr``'s in one pass (``a - b``, ``(a - b) + c``,
+    ``np.where(a > 5, a, b)``): gpulazy arrays of files (or streamed maps of them, maybe themselves of
+    several arrays) with ``arr``'s chunks, read through the same source (device, backend, cache,
+    ``verify``), all of them together of at most ``_MOST_ARRAYS`` arrays' chunks."""
+    if not all(isinstance(other, _array_class()) and other.chunks == arr.chunks for other in others):
         return False
-    mine, theirs = _files_of(arr), _files_of(other)
-    if mine is None or theirs is None or mine[1] != theirs[1]:
+    files = [_files_of(a) for a in (arr, *others)]
+    if any(f is None or f[1] != files[0][1] for f in files):
         return False
-    return sum(len(_places(next(iter(files[0].values()), ()))) for files in (mine, theirs)) <= _MOST_ARRAYS
+    return sum(len(_places(next(iter(f[0].values()), ()))) for f in files) <= _MOST_ARRAYS
 
 
 def _places(unit: Any) -> tuple:
@@ -838,27 +849,27 @@ class _Then:
         return _apply(self.then, _apply(self.first, chunk, index), index)
 
 
-class _Both:
-    """Each side's own streamed map of a block of several arrays' chunks (``vol * 2 - other``,
-    ``(a - b) + c``): ``(f(left), g(right))``, ``left`` the block's first ``split`` chunks (one chunk, or
-    the tuple of them: a side that is itself an operation of arrays), ``right`` the rest, a side without
-    a map (``None``) as it is; ``same``: both sides are made of the one chunk read
+class _Sides:
+    """Each operand's own streamed map of a block of several arrays' chunks (``vol * 2 - other``,
+    ``(a - b) + c``): ``(f(first), g(second), ...)``, each operand its next ``counts[k]`` chunks of the
+    block (one chunk, or the tuple of them: an operand that is itself an operation of arrays), one
+    without a map (``None``) as it is; ``same``: every operand is made of the one chunk read
     (``vol - vol.map_blocks(f)``)."""
 
     takes_index = True
 
-    def __init__(self, first: tuple | None, second: tuple | None, same: bool = False, split: int = 1):
-        self.sides, self.same, self.split = (first, second), same, split
-        self.__name__ = "both"
+    def __init__(self, maps: list, counts: list[int], same: bool = False):
+        self.maps, self.counts, self.same = maps, counts, same
+        self.__name__ = "sides"
 
     def __call__(self, block: Any, index: tuple[int, ...]) -> tuple:
         if self.same:
-            chunks = (block, block)
+            chunks = [block] * len(self.maps)
         else:
-            k = self.split
-            chunks = (block[0] if k == 1 else block[:k], block[k] if len(block) == k + 1 else block[k:])
-        return tuple(chunk if side is None else _apply(side, chunk, index)
-                     for side, chunk in zip(self.sides, chunks))
+            starts = list(itertools.accumulate(self.counts, initial=0))
+            chunks = [block[s] if n == 1 else block[s:s + n] for s, n in zip(starts, self.counts)]
+        return tuple(chunk if mapping is None else _apply(mapping, chunk, index)
+                     for mapping, chunk in zip(self.maps, chunks))
 
 
 def _apply(mapping: tuple, chunk: Any, index: tuple[int, ...]) -> Any:

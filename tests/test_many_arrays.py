@@ -18,6 +18,7 @@ from gpulazy.cache import DeviceCache
 #: Leaves: an array of files, or one made of one (``f`` is ``x // 3 + 1`` for both gpulazy and NumPy).
 LEAVES = ["a", "b", "c", "d", "a[::-1]", "b.map_blocks(f)", "c.astype('f4')", "d * 2", "np.sqrt(a)"]
 OPS = ["{} + {}", "{} - {}", "{} * {}", "np.maximum({}, {})", "({} > {})"]
+TERNARY = ["np.where({} > 300, {}, {})", "np.clip({}, {}, {})"]
 
 
 def _expression(depth: int) -> st.SearchStrategy[str]:
@@ -25,7 +26,8 @@ def _expression(depth: int) -> st.SearchStrategy[str]:
     if depth == 0:
         return leaf
     sub = _expression(depth - 1)
-    return st.one_of(leaf, st.builds(lambda op, x, y: "(" + op.format(x, y) + ")", st.sampled_from(OPS), sub, sub))
+    return st.one_of(leaf, st.builds(lambda op, x, y: "(" + op.format(x, y) + ")", st.sampled_from(OPS), sub, sub),
+                     st.builds(lambda op, x, y, z: op.format(x, y, z), st.sampled_from(TERNARY), sub, sub, sub))
 
 
 def _f(x):

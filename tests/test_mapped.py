@@ -835,10 +835,16 @@ def test_a_pair_whose_second_file_changed_raises_naming_it(tmp_path, reduced):
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
 def test_numpy_s_where_and_clip_stream_as_maps(tmp_path, scheduler):
     """``np.where`` and ``np.clip`` are dask's block by block, as ufuncs are: streamed maps, a file's
-    chunks read once however many of its arrays they take (``np.where(vol > 500, vol, 0)``)."""
+    chunks read once however many of its arrays they take (``np.where(vol > 500, vol, 0)``,
+    ``np.where(a > b, a, b)``), other gpulazy arrays among the operands read in the same pass."""
     a, av = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 2, 5), seed=1, cache=False)
     b, bv = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 2, 5), seed=2, cache=False)
+    c, cv = _volume(tmp_path, shape=(12, 6, 10), chunks=(3, 2, 5), seed=3, cache=False)
     cases = {
+        "np.where(a > b, a, b)": (lambda: np.where(a > b, a, b), np.where(av > bv, av, bv), av.nbytes + bv.nbytes),
+        "np.where(c > 500, a, b).max(axis=0)": (lambda: np.where(c > 500, a, b).max(axis=0),
+                                                np.where(cv > 500, av, bv).max(axis=0), 3 * av.nbytes),
+        "np.clip(a, b, c)": (lambda: np.clip(a, b, c), np.clip(av, bv, cv), 3 * av.nbytes),
         "np.where(a > 500, a, 0)": (lambda: np.where(a > 500, a, 0), np.where(av > 500, av, 0), av.nbytes),
         "np.clip(a, 100, 900)": (lambda: np.clip(a, 100, 900), np.clip(av, 100, 900), av.nbytes),
         "np.where(b > 300, a, 7).max(axis=0)": (lambda: np.where(b > 300, a, 7).max(axis=0),
@@ -855,9 +861,6 @@ def test_numpy_s_where_and_clip_stream_as_maps(tmp_path, scheduler):
         np.testing.assert_array_equal(got, want, err_msg=what)
         with gpulazy.config.set(streamed_maps=False):  # dask's own tasks agree
             np.testing.assert_array_equal(made().compute(scheduler=scheduler), want, err_msg=what)
-    # Two other arrays among the operands (``np.where(a > b, a, b)``: the pair and both again) are dask's.
-    assert getattr(np.where(a > b, a, b), "_gl_map_of", None) is None
-    np.testing.assert_array_equal(np.where(a > b, a, b).compute(), np.where(av > bv, av, bv))
 
 
 @pytest.mark.gpu
@@ -872,6 +875,7 @@ def test_an_operation_between_two_or_three_arrays_streams_on_the_gpu(tmp_path):
                     ((a.astype("f4") - b) / (c + 1), (fa - bv) / (cv + 1)),
                     ((a + b + c).max(axis=0), (av + bv + cv).max(axis=0)),
                     ((a.astype("f4") - b) / (a + b + 1.0), (fa - bv) / (av + bv + 1.0)),
+                    (np.where(c > 500, a, b), np.where(cv > 500, av, bv)),
                     ((a.astype("f4") - b * 2).mean(axis=(1, 2)), (fa - bv * 2).mean(axis=(1, 2))),
                     (np.where(a > 500, a, 0), np.where(av > 500, av, 0)), (np.clip(a, 100, 900).sum(), np.clip(av, 100, 900).sum())):
         got = r.compute()

@@ -38,6 +38,7 @@ __all__ = ["from_files", "multiscale", "read_file", "read_files", "GpulazyArray"
 # The task functions live below the graph code (``gpulazy._tasks``): the read layer and the
 # prefetch planner recognise read tasks by them without importing this module.
 from gpulazy._tasks import ChunkSource, load_chunk, pick, read_batch  # noqa: E402
+from gpulazy.read.pairs import members  # noqa: E402
 
 
 # -- from_files ---------------------------------------------------------------------------
@@ -430,28 +431,19 @@ def _array_class() -> type:
             chunk of each, or of each array an operand is made of (``(a - b) + c``: three)."""
             specs, source, first = _files_of(self)
             operands = [(specs, first)] + [(files[0], files[2]) for files in map(_files_of, others)]
-            theirs = operands[1][0]
-            if len(others) == 1 and not isinstance(next(iter(specs.values())), tuple) and all(
-                    not isinstance(theirs[i], tuple) and spec.key == theirs[i].key for i, spec in specs.items()):
-                # The same chunks on both sides (``vol - vol.map_blocks(f)``, ``np.where(vol > 5, vol, 0)``):
-                # read once, each side made of the one chunk, as dask's tasks share the one read.
-                units, sides = specs, _Sides([first, operands[1][1]], [1, 1], same=True)
-            else:
-                # Others' chunks as objects of their own (same bytes, same keys): a block tells its chunks
-                # apart by identity; one of a file's chunk the block has already is that object (``(a - b) /
-                # (a + b)``: ``a``'s and ``b``'s chunks read once). Each operand's own map first
-                # (``vol * 2 - other``, ``(a - b) + c``).
-                units = {i: functools.reduce(lambda mine, files: _joined(mine, files[0][i], i), operands[1:], unit)
-                         for i, unit in specs.items()}
-                counts = [len(_places(next(iter(files.values())))) for files, _ in operands]
-                maps = [mapping for _, mapping in operands]
-                plain = all(m is None for m in maps) and all(n == 1 for n in counts)
-                sides = None if plain else _Sides(maps, counts)
+            # Others' chunks as objects of their own (same bytes, same keys): a block tells its chunks apart
+            # by identity; a file's chunk the block has already is that object, read once, as dask's tasks
+            # share the one read (``vol - vol.map_blocks(f)``, ``(a - b) / (a + b)``). Each operand's own map
+            # first (``vol * 2 - other``, ``(a - b) + c``).
+            units = {i: functools.reduce(lambda mine, files: _joined(mine, files[0][i], i), operands[1:], unit)
+                     for i, unit in specs.items()}
+            counts = [len(_places(next(iter(files.values())))) for files, _ in operands]
+            maps = [mapping for _, mapping in operands]
+            plain = all(m is None for m in maps) and all(n == 1 for n in counts)
             mapped = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-            func = func if sides is None else _Then((sides, {}), (func, {}))
-            names = sum(map(_read_names, others), _read_names(self))
-            mapped._gl_map_of = (out.name, units, source, out.chunks, func, {},
-                                 tuple(dict.fromkeys(names)) if units is specs else names)
+            func = func if plain else _Then((_Sides(maps, counts), {}), (func, {}))
+            names = sum(map(_read_names, others), _read_names(self))  # (a name a place: ``ChunkHooks``)
+            mapped._gl_map_of = (out.name, units, source, out.chunks, func, {}, names)
             return mapped
 
         @property
@@ -721,11 +713,16 @@ def _streams_with(arr: Any, others: list) -> bool:
     files = [_files_of(a) for a in (arr, *others)]
     if any(f is None or f[1] != files[0][1] for f in files):
         return False
-    return sum(len(_places(next(iter(f[0].values()), ()))) for f in files) <= _MOST_ARRAYS
+    first = next(iter(files[0][0]), None)
+    if first is None:
+        return True
+    # (chunks a block holds in flight: a file's chunk among several operands is one)
+    block = functools.reduce(lambda mine, f: _joined(mine, f[0][first], first), files[1:], files[0][0][first])
+    return len(members(block)) <= _MOST_ARRAYS
 
 
 def _places(unit: Any) -> tuple:
-    """A block's chunks in its operands' order, a chunk once for each place (``pairs.members``: once)."""
+    """A block's chunks in its operands' order, a chunk once for each place (``members``: once)."""
     return unit if isinstance(unit, tuple) else (unit,)
 
 
@@ -741,8 +738,8 @@ def _joined(mine: Any, theirs: Any, index: tuple[int, ...]) -> tuple:
     return (*_places(mine), *added)
 
 
-#: The most arrays' chunks a streamed block is made of (``a + b + c + ...``): each holds a chunk of
-#: every one of them in flight, and dask's tasks read an operation of more.
+#: The most chunks a streamed block is read from (``a + b + c + ...``: one of each array, a file's chunk
+#: among several operands once): a block in flight holds them all; dask's tasks read an operation of more.
 _MOST_ARRAYS = 8
 
 
@@ -853,21 +850,17 @@ class _Sides:
     """Each operand's own streamed map of a block of several arrays' chunks (``vol * 2 - other``,
     ``(a - b) + c``): ``(f(first), g(second), ...)``, each operand its next ``counts[k]`` chunks of the
     block (one chunk, or the tuple of them: an operand that is itself an operation of arrays), one
-    without a map (``None``) as it is; ``same``: every operand is made of the one chunk read
-    (``vol - vol.map_blocks(f)``)."""
+    without a map (``None``) as it is."""
 
     takes_index = True
 
-    def __init__(self, maps: list, counts: list[int], same: bool = False):
-        self.maps, self.counts, self.same = maps, counts, same
+    def __init__(self, maps: list, counts: list[int]):
+        self.maps, self.counts = maps, counts
+        self.starts = list(itertools.accumulate(counts, initial=0))
         self.__name__ = "sides"
 
     def __call__(self, block: Any, index: tuple[int, ...]) -> tuple:
-        if self.same:
-            chunks = [block] * len(self.maps)
-        else:
-            starts = list(itertools.accumulate(self.counts, initial=0))
-            chunks = [block[s] if n == 1 else block[s:s + n] for s, n in zip(starts, self.counts)]
+        chunks = [block[s] if n == 1 else block[s:s + n] for s, n in zip(self.starts, self.counts)]
         return tuple(chunk if mapping is None else _apply(mapping, chunk, index)
                      for mapping, chunk in zip(self.maps, chunks))
 

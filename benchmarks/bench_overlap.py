@@ -5,7 +5,7 @@ same bytes, then times, each beside its naive and raw equivalents in the same ru
 
 - the pinned host->device copy ceiling (GPU);
 - one big file and the many plane files, ``from_files(...).compute()``;
-- a maximum-intensity projection ``planes.max(axis=0)``, a slice ``planes[:half]`` (on chunk
+- a maximum-intensity projection ``planes.max(axis=0)``, its depth map ``planes.argmax(axis=0)``, a slice ``planes[:half]`` (on chunk
   boundaries: the fast path), one off them ``planes[1:half + 1]``, ``big.astype("f8").sum()``
   and ``planes.mean()``; with ``--read-ahead 0,1GiB,4GiB`` (and/or ``--batch-size LIST``) these
   derived rows again under each ``gpulazy.config.set(read_ahead=...)`` (``batch_size=...``);
@@ -154,6 +154,9 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
     return {
         "MIP max(axis=0)": (lambda: vol.max(axis=0).compute(), lambda: rawv().max(axis=0),
                             lambda: naive.max(axis=0).compute(), total, "planes compute()"),
+        # A depth map: the index of each pixel's brightest plane, streamed as the MIP is.
+        "argmax(axis=0)": (lambda: vol.argmax(axis=0).compute(), lambda: rawv().argmax(axis=0),
+                           lambda: naive.argmax(axis=0).compute(), total, "planes compute()"),
         # Off chunk boundaries: dask slices batched reads (on them, a slice takes the fast path).
         "[1:half+1] compute()": (lambda: vol[1:half + 1].compute(), lambda: raw(paths[1:half + 1], plane_bytes),
                                  lambda: naive[1:half + 1].compute(), half * plane_bytes, "planes compute()"),
@@ -283,7 +286,7 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
         # Ablations: the reductions through dask's per-chunk tree (batched reads, the read window),
         # as before they streamed, and the MIP that way without staging.
         with_config = _with_config
-        for name in ("MIP max(axis=0)", "astype(f8).sum()", "mean()"):
+        for name in ("MIP max(axis=0)", "argmax(axis=0)", "astype(f8).sum()", "mean()"):
             ours, _, _, nbytes, whole = derived[name]
             rows_out[f"{name}, fused_reductions=False (dask's tree)"] = _ratios({
                 "gpulazy": gbps(_best(with_config(ours, fused_reductions=False), repeat, sync), nbytes)},

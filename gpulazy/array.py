@@ -504,6 +504,18 @@ def _array_class() -> type:
         def std(self, axis=None, dtype=None, keepdims=False, ddof=0, split_every=None, out=None):
             return self._reduce("std", axis, keepdims, dtype=dtype, out=out, split_every=split_every, ddof=ddof)
 
+        def argmax(self, axis=None, *, keepdims=False, split_every=None, out=None):
+            return self._reduce("argmax", axis, keepdims, out=out, split_every=split_every)
+
+        def argmin(self, axis=None, *, keepdims=False, split_every=None, out=None):
+            return self._reduce("argmin", axis, keepdims, out=out, split_every=split_every)
+
+        def any(self, axis=None, keepdims=False, split_every=None, out=None):
+            return self._reduce("any", axis, keepdims, out=out, split_every=split_every)
+
+        def all(self, axis=None, keepdims=False, split_every=None, out=None):
+            return self._reduce("all", axis, keepdims, out=out, split_every=split_every)
+
         def _reduce(self, op: str, axis: Any, keepdims: bool, **kwargs: Any) -> Any:
             """``op`` streamed: a chain of steps reading and folding the chunks (``gpulazy.read.reduce``),
             when it can; otherwise dask's own reduction."""
@@ -516,7 +528,8 @@ def _array_class() -> type:
             extra = {k: v for k, v in kwargs.items() if k != "ddof"}
             files = _files_of(base)
             if (not config.get("fused_reductions") or any(v is not None for v in extra.values())
-                    or files is None or 0 in self.shape or _distributed_client_active()):
+                    or files is None or 0 in self.shape or _distributed_client_active()
+                    or op in ("argmax", "argmin") and (isinstance(axis, tuple) or self.dtype.kind == "c")):
                 return getattr(super(), op)(axis=axis, keepdims=keepdims, **kwargs)
             return _streamed(base, files, op, axis, keepdims, int(kwargs.get("ddof", 0)), cast)
 
@@ -772,7 +785,7 @@ _OPERATORS: dict[str, tuple[Any, bool]] = {
 
 #: NumPy's functions that are a gpulazy array's streamed reductions, and the method each is.
 _NUMPY_REDUCTIONS = {"max": "max", "amax": "max", "min": "min", "amin": "min", "sum": "sum", "mean": "mean",
-                     "var": "var", "std": "std"}
+                     "var": "var", "std": "std", "argmax": "argmax", "argmin": "argmin", "any": "any", "all": "all"}
 #: Their parameters the methods take (the others, ``out``, ``initial``, ``where``, ...: dask's).
 _REDUCTION_PARAMETERS = {"axis", "dtype", "keepdims", "ddof"}
 

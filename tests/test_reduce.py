@@ -1,6 +1,6 @@
 """Reductions that run as the reads land (``gpulazy.read.reduce``) equal NumPy's, over any chunking.
 
-``vol.max/min/sum/mean/var/std`` (also after ``vol.astype(...)``) build one task that reads
+``vol.max/min/sum/mean/var/std/argmax/argmin/any/all`` (also after ``vol.astype(...)``) build one task that reads
 every chunk through the engine and folds it into the result as it lands; dask's per-chunk
 tree is what ``config fused_reductions=False`` (or an unsupported argument) gives.
 """
@@ -76,7 +76,7 @@ def test_std_with_ddof_and_a_cast(tmp_path, ddof):
     np.testing.assert_array_equal(vol.astype("f8").compute(), data.astype("f8"))
 
 
-@given(layout=layouts(), name=st.sampled_from(["max", "amax", "min", "amin", "sum", "mean", "var", "std"]),
+@given(layout=layouts(), name=st.sampled_from(["max", "amax", "min", "amin", "sum", "mean", "var", "std", "any", "all"]),
        keepdims=st.sampled_from([None, False, True]), positional=st.booleans())
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_numpy_reductions_of_a_gpulazy_array_stream(tmp_path_factory, layout, name, keepdims, positional):
@@ -93,6 +93,56 @@ def test_numpy_reductions_of_a_gpulazy_array_stream(tmp_path_factory, layout, na
     want = func(data, axis=axes, **given)
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@st.composite
+def arg_layouts(draw):
+    """A layout, with the axes ``argmax`` takes: one or none."""
+    shape, chunks, _ = draw(layouts())
+    return shape, chunks, draw(st.one_of(st.none(), st.sampled_from(range(-len(shape), len(shape)))))
+
+
+@given(layout=arg_layouts(), op=st.sampled_from(["argmax", "argmin", "any", "all"]),
+       dtype=st.sampled_from(["<u2", ">i4", "<f4", ">f8", "u1", "?"]), nans=st.integers(0, 3),
+       keepdims=st.booleans(), cached=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_argmax_argmin_any_all_stream_and_equal_numpy(tmp_path_factory, layout, op, dtype, nans, keepdims, cached,
+                                                    seed):
+    """Few distinct values, so equal extremes lie in several chunks (NumPy's index is the first one's),
+    and NaNs in float arrays (the first NaN is NumPy's argmax and argmin)."""
+    shape, chunks, axis = layout
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 3, shape).astype(dtype)
+    if data.dtype.kind == "f":
+        data.ravel()[rng.integers(0, data.size, nans)] = np.nan
+    vol = _vol(tmp_path_factory.mktemp("a"), data, chunks, cache=cached)
+    r = getattr(vol, op)(axis=axis, keepdims=keepdims)
+    assert "streamed" in r.name
+    want = getattr(np, op)(data, axis=axis, keepdims=keepdims)
+    got = r.compute()
+    assert r.compute_path == "fast"
+    (through_dask,) = dask.compute(r)
+    again = getattr(vol, op)(axis=axis, keepdims=keepdims).compute()  # (cached: every chunk from the cache)
+    for out in (got, through_dask, again):
+        assert out.shape == want.shape and out.dtype == want.dtype == r.dtype
+        np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(getattr(np, op)(vol, axis=axis, keepdims=keepdims).compute(), want)
+
+
+def test_argmax_of_a_cast_and_of_an_operation_stream(tmp_path):
+    """The cast is made before the comparison (a narrower float makes neighbours equal: NumPy's first
+    one is picked); a comparison's ``any`` and ``all`` fold its blocks."""
+    data = np.array([[1.0, 1.0 + 1e-12, 3.0], [2.0, 5.0, 5.0 + 1e-9]] * 3, dtype="f8")
+    vol = _vol(tmp_path, data, (2, 2))
+    for r, want in ((vol.astype("f4").argmax(axis=1), data.astype("f4").argmax(axis=1)),
+                    (vol.astype("f4").argmin(), data.astype("f4").argmin()),
+                    ((vol > 4).any(axis=0), (data > 4).any(axis=0)),
+                    ((vol > 0.5).all(), (data > 0.5).all()),
+                    ((vol * 2).argmax(axis=0), (data * 2).argmax(axis=0))):
+        assert "streamed" in r.name
+        np.testing.assert_array_equal(r.compute(), want)
+    with pytest.raises(TypeError, match="axis"):
+        vol.argmax(axis=(0, 1))  # dask's error: one axis or none
 
 
 @pytest.mark.parametrize("op,dtype", [(op, d) for op in ("sum", "mean", "var", "std") for d in ("f4", "f8")]
@@ -164,15 +214,16 @@ def test_a_stream_sent_to_another_process_between_steps_gives_the_same_result(tm
     data = np.random.default_rng(6).normal(0, 1, (12, 5, 4)).astype("<f4")
     vol = _vol(tmp_path, data, (1, 5, 4))
     groups = [(s,) for g in groups_of(vol.chunk_index.specs) for s in g]  # a chunk a group: 12 steps
-    for op in ("max", "sum", "std"):
+    for op, axis in (("max", (0, 2)), ("sum", (0, 2)), ("std", (0, 2)), ("argmax", (0,)), ("argmin", (0, 1, 2))):
         with gpulazy.config.set(read_ahead=3 * 80):  # a few groups in flight when it travels
-            stream = stream_start(groups, vol.chunk_source, vol.chunks, vol.dtype, op, (0, 2), 1, None)
+            stream = stream_start(groups, vol.chunk_source, vol.chunks, vol.dtype, op, axis, 1, None)
             for k in range(len(groups)):
                 if k in (4, 9):
                     stream = pickle.loads(pickle.dumps(stream))
                 stream = stream_step(stream, k)
-        np.testing.assert_allclose(stream_result(stream, False), getattr(np, op)(
-            data, axis=(0, 2), **({"ddof": 1} if op == "std" else {})), rtol=1e-5)
+        want = getattr(np, op)(data, axis=axis[0] if len(axis) == 1 else None) if op.startswith("arg") else (
+            getattr(np, op)(data, axis=axis, **({"ddof": 1} if op == "std" else {})))
+        np.testing.assert_allclose(stream_result(stream, False), want, rtol=1e-5)
 
 
 def test_an_interrupted_reduction_settles_every_read_in_flight_before_it_propagates(tmp_path, monkeypatch):
@@ -332,6 +383,20 @@ def test_compressed_groups_decode_on_the_settle_threads_and_fold_in_order(tmp_pa
     assert len(settled_on) == groups and all(n.startswith("gpulazy-settle") for n in settled_on)
     assert 2 <= running[1] <= (whole.SETTLERS if codec == "zstd" else whole.STREAM_SETTLERS)
     np.testing.assert_allclose(to_host(vol.mean(axis=(1, 2)).compute()), data.mean(axis=(1, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["argmax", "argmin", "any", "all"])
+def test_argmax_argmin_any_all_stream_on_the_gpu(tmp_path, op):
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 4, (33, 64, 48)).astype("<f4")
+    data.ravel()[rng.integers(0, data.size, 2)] = np.nan
+    vol = _vol(tmp_path, data, (8, 32, 48), device="cuda:0")
+    for axes in (None, 0, 2):
+        r = getattr(vol, op)(axis=axes)
+        got = r.compute()
+        assert r.compute_path == "fast" and type(got).__module__.startswith("cupy")
+        np.testing.assert_array_equal(to_host(got), getattr(np, op)(data, axis=axes))
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""Reductions that run as the reads land: ``max``, ``min``, ``sum``, ``mean``, ``var``, ``std``.
+"""Reductions that run as the reads land: ``max``, ``min``, ``sum``, ``mean``, ``var``, ``std``, ``argmax``,
+``argmin``, ``any``, ``all``.
 
 Through dask, a reduction over a gpulazy array is one task per chunk and a tree of combine
 tasks: on an H100 dask alone took 120 ms for a MIP of 4 GiB of 128 MiB chunks already in
@@ -18,12 +19,16 @@ outlives its fold.
 
 Values equal dask's up to floating-point order: ``max``/``min`` exactly; sums in the
 dtype NumPy sums in (``uint16`` -> ``uint64``); ``mean``, ``var``, ``std`` accumulate in
-float64 (Chan's parallel update for the variance) and return NumPy's result dtype.
+float64 (Chan's parallel update for the variance) and return NumPy's result dtype; ``argmax`` and
+``argmin`` (over one axis or all of them, as dask allows) exactly, the first of equal extremes
+(and the first NaN) as NumPy picks it, whatever order the chunks fold in; ``any``/``all`` exactly.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -38,9 +43,15 @@ from gpulazy.spec import ChunkSpec
 __all__ = ["result_dtype", "groups_of", "ReduceStream", "stream_start", "stream_step", "stream_result", "run_stream"]
 
 
+#: Reductions giving the place of an extreme: over one axis, or all of them (a flat index).
+ARG_OPS = ("argmax", "argmin")
+
+
 def result_dtype(op: str, dtype: Any, ndim: int, axis: tuple[int, ...], cast: Any = None) -> np.dtype:
     """The dtype NumPy gives ``op`` over an array of ``dtype`` (``cast`` first, as ``astype`` does)."""
     probe = np.ones((1,) * ndim, dtype=cast if cast is not None else dtype)
+    if op in ARG_OPS:  # (one axis or none)
+        return getattr(np, op)(probe, axis=axis[0] if len(axis) == 1 else None).dtype
     return getattr(np, op)(probe, axis=axis).dtype
 
 
@@ -126,7 +137,7 @@ class ReduceStream:
         with self.dev.activate():
             for k in sorted(self.pending):
                 self._finish(k)
-        state = {name: _to_host(getattr(self.acc, name)) for name in ("total", "mean") if hasattr(self.acc, name)}
+        state = {name: _to_host(getattr(self.acc, name)) for name in ("total", "mean", "arg") if hasattr(self.acc, name)}
         return (_rebuilt, (self.groups, self.source, self.chunks, self.acc.dtype_in, self.acc.op, self.axis,
                            self.acc.ddof, self.acc.cast, state, self.acc.count, self.next, self.mapping))
 
@@ -241,6 +252,11 @@ class ReduceStream:
         self.pending.clear()
 
 
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    """Elements between neighbours along each axis of a C-ordered array of ``shape``."""
+    return list(itertools.accumulate(shape[:0:-1], operator.mul, initial=1))[::-1]
+
+
 def _to_host(arr: Any) -> np.ndarray:
     return arr.get() if hasattr(arr, "get") else np.asarray(arr)
 
@@ -318,8 +334,12 @@ class _Accumulator:
         self.edges = [np.cumsum((0,) + tuple(c)) for c in chunks]
         shape = tuple(int(sum(chunks[a])) for a in self.kept)
         self.out_dtype = result_dtype(op, dtype, len(chunks), axis, cast)
-        work = self.out_dtype if op in ("max", "min", "sum") else np.dtype("f8")
+        work = self.out_dtype if op in ("max", "min", "sum", "any", "all") else np.dtype("f8")
         self.shape = shape
+        if op in ARG_OPS:  # the extreme so far (in the chunks' dtype) and its index
+            work = self.cast if self.cast is not None else self.dtype_in
+            self.arg = self._zeros(shape, self.out_dtype)
+            self.whole = tuple(int(sum(c)) for c in chunks)
         self.total = self._zeros(shape, work)
         if op in ("var", "std"):
             self.mean = self._zeros(shape, np.dtype("f8"))
@@ -340,15 +360,17 @@ class _Accumulator:
 
     def fold(self, spec: ChunkSpec, chunk: Any) -> None:
         xp, op, axis = self.xp, self.op, self.axis
-        late = self.cast is not None and self.cast.kind == "f"  # a float cast: no cast copy of the chunk
+        # A float cast of a max, min or sum happens as they fold: no cast copy of the chunk. (Not for
+        # the others: a cast to a narrower float can make two extremes equal, or a tiny value 0.)
+        late = self.cast is not None and self.cast.kind == "f" and op in ("max", "min", "sum", "mean", "var", "std")
         if self.cast is not None and not late:
             chunk = chunk.astype(self.cast, copy=False)
         block, region = self._block(spec)
         n = math.prod(chunk.shape[a] for a in axis)
         seen = int(self.count[block])
         dst = self.total[region]
-        planes = self._planes(chunk)
-        if planes is not None and op in ("max", "min", "sum", "mean"):
+        planes = self._planes(chunk) if op in ("max", "min", "sum", "mean") else None
+        if planes is not None:
             self._fold_planes(planes, dst, seen)
         elif op in ("max", "min"):
             part = getattr(xp, op)(chunk, axis=axis)
@@ -358,6 +380,14 @@ class _Accumulator:
                 dst[...] = part
             else:
                 (xp.maximum if op == "max" else xp.minimum)(dst, part, out=dst)
+        elif op in ARG_OPS:
+            self._fold_arg(spec, chunk, dst, self.arg[region], seen)
+        elif op in ("any", "all"):
+            part = getattr(xp, op)(chunk, axis=axis)
+            if seen == 0:
+                dst[...] = part
+            else:
+                (xp.logical_or if op == "any" else xp.logical_and)(dst, part, out=dst)
         elif op == "sum":  # each element converted to the sum's dtype as it is added: what a cast gives
             dst += xp.sum(chunk, axis=axis, dtype=self.out_dtype)
         elif op == "mean":
@@ -371,6 +401,33 @@ class _Accumulator:
             mean_a += delta * (n / total)
             dst += m2_b + delta * delta * (seen * n / total)
         self.count[block] = seen + n
+
+    def _fold_arg(self, spec: ChunkSpec, chunk: Any, best: Any, arg: Any, seen: int) -> None:
+        """Fold ``chunk``'s extremes and their indices in the whole array into ``best`` and ``arg``: a
+        chunk's extreme replaces the one so far where it is further out, or equal (both NaN: the first
+        NaN is NumPy's pick) at a smaller index."""
+        xp, axis = self.xp, self.axis
+        offsets = [int(self.edges[a][i]) for a, i in enumerate(spec.index)]
+        extreme = xp.max if self.op == "argmax" else xp.min  # (NaN where there is one, as argmax picks it)
+        if len(axis) == 1:
+            a = axis[0]
+            val, where = extreme(chunk, axis=a), getattr(xp, self.op)(chunk, axis=a) + offsets[a]
+        else:  # a flat index into the whole array, from the chunk's own
+            val, local = extreme(chunk), getattr(xp, self.op)(chunk)
+            where = 0
+            for n, off, size, stride in zip(chunk.shape, offsets, self.whole, _strides(chunk.shape)):
+                where = where * size + (local // stride) % n + off
+        if seen == 0:
+            best[...] = val
+            arg[...] = where
+            return
+        further = (xp.greater if self.op == "argmax" else xp.less)(val, best)
+        better = further | ((val == best) & (where < arg))
+        if best.dtype.kind in "fc":
+            nan_val, nan_best = xp.isnan(val), xp.isnan(best)
+            better = xp.where(nan_best, nan_val & (where < arg), nan_val | better)
+        xp.copyto(best, val, where=better)
+        xp.copyto(arg, xp.asarray(where, dtype=arg.dtype), where=better)
 
     def _planes(self, chunk: Any) -> Any:
         """``chunk`` as a stack of the slices it reduces over, when the reduced axes lead and are few
@@ -415,8 +472,10 @@ class _Accumulator:
     def result(self) -> Any:
         """The reduction, in an array from the consumer's pool, complete on every stream."""
         xp, op = self.xp, self.op
-        if op in ("max", "min", "sum"):
+        if op in ("max", "min", "sum", "any", "all"):
             return self.total
+        if op in ARG_OPS:
+            return self.arg
         out = self.dev.alloc(self.shape, self.out_dtype)
         with own_stream(self.dev):  # temporaries stay in gpulazy's pool; ``out`` is the consumer's
             counts = self._counts()

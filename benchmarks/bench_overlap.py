@@ -6,7 +6,7 @@ same bytes, then times, each beside its naive and raw equivalents in the same ru
 - the pinned host->device copy ceiling (GPU);
 - one big file and the many plane files, ``from_files(...).compute()``;
 - a maximum-intensity projection ``planes.max(axis=0)``, its depth map ``planes.argmax(axis=0)``, a slice ``planes[:half]`` (on chunk
-  boundaries: the fast path), one off them ``planes[1:half + 1]``, ``big.astype("f8").sum()``
+  boundaries: the fast path), one off them ``planes[1:half + 1]``, every fourth plane as a list, ``big.astype("f8").sum()``
   and ``planes.mean()``; with ``--read-ahead 0,1GiB,4GiB`` (and/or ``--batch-size LIST``) these
   derived rows again under each ``gpulazy.config.set(read_ahead=...)`` (``batch_size=...``);
 - the whole read, the MIP and ``map_blocks(b * 2)`` with a callback active (gpulazy's and dask's
@@ -137,6 +137,7 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
                   ) -> dict[str, tuple[Callable, Callable, Callable, int, str]]:
     """The issue-20 rows: name -> (gpulazy, raw KvikIO + the same op, naive dask, source bytes, whole row)."""
     half, q = len(paths) // 2, len(paths) // 4
+    every4 = list(range(0, len(paths), 4))  # a list of planes: a box each, all read in one pass
     a, b = pair
 
     def raw_pair() -> Any:
@@ -160,6 +161,10 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
         # Off chunk boundaries: dask slices batched reads (on them, a slice takes the fast path).
         "[1:half+1] compute()": (lambda: vol[1:half + 1].compute(), lambda: raw(paths[1:half + 1], plane_bytes),
                                  lambda: naive[1:half + 1].compute(), half * plane_bytes, "planes compute()"),
+        "[every 4th plane as a list] compute()": (lambda: vol[every4].compute(),
+                                                  lambda: raw([paths[i] for i in every4], plane_bytes),
+                                                  lambda: naive[every4].compute(), len(every4) * plane_bytes,
+                                                  "planes compute()"),
         "astype(f8).sum()": (lambda: big.astype("f8").sum().compute(), lambda: rawv().astype("f8").sum(),
                              lambda: naive.astype("f8").sum().compute(), total, "one file compute()"),
         "mean()": (lambda: vol.mean().compute(), lambda: rawv().mean(), lambda: naive.mean().compute(), total,

@@ -300,6 +300,11 @@ def _array_class() -> type:
             if blocks is not None:
                 return _block_slice(self, blocks)
             out = super().__getitem__(index)
+            picked = _picked(self, index) if region is None and out is not self else None
+            if picked is not None and out.shape == _picked_shape(self.shape, *picked):
+                view = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
+                view._gl_pick_of = (self, *picked)  # its compute() reads the planes it picks alone
+                return view
             if out is not self and region is None and config.get("streamed_maps"):
                 strided = _strided(self, index)
                 # (dask's blocks: one a chunk picked from, unless it keeps an empty one: then dask's own)
@@ -328,6 +333,15 @@ def _array_class() -> type:
 
                 out = read_region(base._gl_specs, base._gl_source, base.chunks, base.dtype, region, base._gl_order)
                 return out.reshape(_kept_shape(region, dropped))  # (a plane: the axes its integers index dropped)
+            pick = getattr(self, "_gl_pick_of", None)
+            if pick is not None and pick[0]._fast_path_ok(kwargs) and not _active_callbacks(kwargs):
+                self.compute_path = "fast"
+                base, axis, positions, region, dropped = pick
+                from gpulazy.read.whole import read_picks
+
+                out = read_picks(base._gl_specs, base._gl_source, base.chunks, base.dtype, region, axis, positions,
+                                 base._gl_order)
+                return out.reshape(self.shape)  # (the axes its integers index dropped)
             chain = getattr(self, "_gl_stream_of", None)
             if chain is not None and _local_compute(kwargs) and not _active_callbacks(kwargs):
                 self.compute_path = "fast"
@@ -1002,6 +1016,45 @@ def _strided(arr: Any, index: Any) -> tuple[tuple, tuple[int, ...], tuple[int, .
         return None
     region, dropped, steps = found
     return region, steps, dropped
+
+
+def _picked(arr: Any, index: Any) -> tuple[int, tuple[int, ...], tuple, tuple[int, ...]] | None:
+    """``(axis, positions, region, dropped)`` when ``index`` picks planes of ``arr`` (the files as they
+    are) by a list of integers or a mask along one axis, the others step-1 slices and integers
+    (``vol[[3, 9, 27]]``, ``vol[:, [0, 5], 10:20]``, ``vol[mask]``): the positions picked along ``axis``
+    (as given, repeats too), the box the others select (``(start, stop)`` per axis; ``(0, n)`` at
+    ``axis``) and the axes an integer indexes; else ``None``. The picked axis stays where it is, as dask
+    has it (``vol[0, :, [1, 2]]`` is of shape ``(n, 2)``; NumPy's would be ``(2, n)``)."""
+    if getattr(arr, "_gl_name", None) != arr.name or getattr(arr, "_gl_index", None) is None:
+        return None
+    from dask.array.slicing import normalize_index
+
+    try:
+        index = normalize_index(index, arr.shape)
+    except Exception:
+        return None
+    lists = [a for a, ix in enumerate(index) if isinstance(ix, np.ndarray)]
+    if len(index) != arr.ndim or len(lists) != 1 or index[lists[0]].ndim != 1:
+        return None
+    axis = lists[0]
+    picks = index[axis]
+    n = arr.shape[axis]
+    if picks.dtype == bool:
+        picks = np.flatnonzero(picks) if len(picks) == n else None
+    if picks is None or picks.dtype.kind not in "iu" or not len(picks) or not ((-n <= picks) & (picks < n)).all():
+        return None
+    positions = tuple(int(p) % n for p in picks)
+    rest = index[:axis] + (slice(0, n),) + index[axis + 1:]
+    found = _parse_box(rest, arr.shape)
+    if found is None:
+        return None
+    region, dropped = found
+    return axis, positions, region, dropped
+
+
+def _picked_shape(shape: tuple[int, ...], axis: int, positions: tuple[int, ...], region: tuple,
+                  dropped: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(len(positions) if a == axis else hi - lo for a, (lo, hi) in enumerate(region) if a not in dropped)
 
 
 def _in_base(box: Any, index: Any) -> tuple | None:

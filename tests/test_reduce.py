@@ -937,3 +937,75 @@ def test_a_box_cutting_several_missing_chunks_fills_each(tmp_path, scheduler):
     for box in [(slice(0, 8), slice(1, 3)), (slice(1, 7), slice(2, 6))]:
         for _ in range(3):
             np.testing.assert_array_equal(sharded[box].compute(scheduler=scheduler), data[box], err_msg=str(box))
+
+
+# -- a list of planes: each run of them a box, all read in one pass --------------------------
+
+@st.composite
+def picks(draw):
+    """A shape, a chunking and an index picking planes by a list (or a mask) along one axis, the other
+    axes step-1 slices or integers."""
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(draw(st.integers(1, 3))))
+    chunks = tuple(draw(st.integers(1, n)) for n in shape)
+    axis = draw(st.integers(0, len(shape) - 1))
+    n = shape[axis]
+    if draw(st.integers(0, 4)) == 0:
+        mask = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+        assume(mask.any())
+        listed = mask
+    else:
+        listed = draw(st.lists(st.integers(-n, n - 1), min_size=1, max_size=7))
+    index = []
+    for a, m in enumerate(shape):
+        if a == axis:
+            index.append(listed)
+        elif draw(st.integers(0, 3)) == 0:
+            index.append(draw(st.integers(-m, m - 1)))
+        else:
+            lo = draw(st.integers(0, m - 1))
+            index.append(slice(lo, draw(st.integers(lo + 1, m))))
+    return shape, chunks, tuple(index)
+
+
+@given(layout=picks(), cached=st.booleans(), zarr_store=st.booleans())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_list_of_planes_computes_alone_and_equals_dask(tmp_path_factory, layout, cached, zarr_store):
+    """Values and shape are dask's (which picks orthogonally: NumPy's differ where integers are not beside
+    the list, ``vol[0, :, [1, 2]]``), from a read of the planes alone."""
+    import dask.array as da
+
+    shape, chunks, index = layout
+    data = np.random.default_rng(9).integers(0, 60000, shape).astype("<u2")
+    want = da.from_array(data, chunks=chunks)[index].compute()
+    assume(want.size > 1)
+    tmp = tmp_path_factory.mktemp("p")
+    if zarr_store:  # chunks that decode, cut by the boxes (read once however many boxes cut them)
+        vol = gpulazy.from_files(zstd_zarr(tmp / "v.zarr", data, chunks), device="cpu", cache=cached)
+    else:
+        vol = _vol(tmp, data, chunks, cache=cached)
+    for _ in range(2 if cached else 1):  # (cached: the second time from the cache)
+        part = vol[index]
+        got = part.compute()
+        assert part.compute_path == "fast"
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    (through_dask,) = dask.compute(part)  # the graph is dask's own
+    np.testing.assert_array_equal(through_dask, want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_list_of_planes_reads_only_them_and_each_chunk_it_cuts_once(tmp_path, device):
+    data = np.random.default_rng(6).integers(0, 999, (40, 6, 5)).astype(">u2")
+    vol = _vol(tmp_path, data, (16, 6, 5), device=device)  # chunks of planes 0-15, 16-31, 32-39
+    plane = 6 * 5 * 2
+    for index, nbytes in (([3, 4, 20, 39], 4 * plane),  # three boxes: [3:5], [20:21], [39:40]
+                          ([39, 3], 2 * plane),
+                          (np.arange(40) % 3 == 0, 14 * plane),
+                          ((slice(None), [1, 4]), 40 * plane),  # every chunk cut by two boxes: read once
+                          ((slice(5, 9), [5, 0], 2), 4 * plane)):
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        part = vol[index]
+        got = part.compute()
+        assert part.compute_path == "fast" and type(got) is type(vol._meta)
+        np.testing.assert_array_equal(to_host(got), data[index])
+        assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes, index

@@ -12,20 +12,21 @@ once on threads of their own, as the bytes held allow (``STREAM_SETTLERS`` for D
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import functools
 import itertools
 import math
 import threading
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_region", "read_all", "read_in_order", "part_of", "groups_by_bytes", "iter_groups",
+__all__ = ["read_whole", "read_region", "read_picks", "read_all", "read_in_order", "part_of", "groups_by_bytes", "iter_groups",
            "held_bytes", "inflight_room", "settle_later", "settle_pool", "settle_slots", "settlers", "stream_calls",
            "GROUP", "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
 
@@ -106,59 +107,103 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
     apply; from the cache when it is there), whose overlap is copied in as it lands.
     Chunks outside the box are not read.
     """
-    from gpulazy.integrity import check_unchanged
+    out = _result(tuple(b - a for a, b in region), dtype, order, get_device(source.device))
+    _read_boxes(specs, source, chunks, [(region, out)])
+    return out
+
+
+def read_picks(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tuple[tuple[int, int], ...], axis: int,
+               positions: Sequence[int], order: str = "C") -> Any:
+    """The planes ``positions`` along ``axis`` (in their order, repeats too) of the box ``region`` gives on
+    the other axes (its entry at ``axis`` is not used), stacked along ``axis`` into one array: what
+    ``vol[[3, 4, 5, 9]]`` is. Each run of consecutive positions is a box (here two: ``[3:6]`` and
+    ``[9:10]``), read straight into its part of the result as ``read_region`` reads a box, every box
+    in the same pass; a chunk two boxes cut is read once."""
+    shape = tuple(len(positions) if a == axis else hi - lo for a, (lo, hi) in enumerate(region))
+    out = _result(shape, dtype, order, get_device(source.device))
+    boxes = []
+    for at, first, n in _runs(positions):
+        box = region[:axis] + ((first, first + n),) + region[axis + 1:]
+        boxes.append((box, out[(slice(None),) * axis + (slice(at, at + n),)]))
+    _read_boxes(specs, source, chunks, boxes)
+    return out
+
+
+def _runs(positions: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(where in the result, first position, how many)`` for each run of consecutive positions."""
+    at = 0
+    for _, run in itertools.groupby(enumerate(positions), lambda item: item[1] - item[0]):
+        run = list(run)
+        yield at, run[0][1], len(run)
+        at += len(run)
+
+
+def _result(shape: tuple[int, ...], dtype: Any, order: str, dev: Any) -> Any:
     from gpulazy.memory import retry_on_oom
+
+    with dev.activate():
+        return retry_on_oom(lambda: dev.alloc(shape, dtype, order), device=dev,
+                            nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
+
+
+def _meeting(specs: dict, edges: list, region: tuple[tuple[int, int], ...]) -> list[ChunkSpec]:
+    """The chunks (``specs``: block index -> chunk) the box ``region`` meets, in block order."""
+    blocks = [range(bisect.bisect_right(e, lo) - 1, bisect.bisect_left(e, hi)) for e, (lo, hi) in zip(edges, region)]
+    return [specs[k] for k in itertools.product(*blocks) if k in specs]
+
+
+def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple, Any]]) -> None:
+    """Read each box ``(region, where it goes)`` of the array ``specs`` describes, all in one pass (see
+    ``read_region``)."""
+    from gpulazy.integrity import check_unchanged
 
     dev = get_device(source.device)
     cache = source.cache_instance()
-    shape = tuple(b - a for a, b in region)
     edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
-    with dev.activate():
-        out = retry_on_oom(lambda: dev.alloc(shape, dtype, order), device=dev,
-                           nbytes=math.prod(shape) * np.dtype(dtype).itemsize, what=f"allocating a {shape} result")
-    needed = [spec for spec in specs.values() if all(
-        edges[a][i] < hi and edges[a][i + 1] > lo for a, (i, (lo, hi)) in enumerate(zip(spec.index, region)))]
+    met = [(_meeting(specs, edges, region), region, target) for region, target in boxes]
     todo: list[tuple[ChunkSpec, Any]] = []
     # Keys name content, not place: two chunks of the same bytes (pieces never written, read as the
-    # fill value: an HDF5 chunk table's missing chunks share one key) are one key at two places.
-    cuts: dict[str, list[tuple]] = {}  # key of a chunk (or of the part read of it) -> [(slices in it, in ``out``)]
+    # fill value: an HDF5 chunk table's missing chunks share one key) are one key at two places; so
+    # is a chunk two boxes cut.
+    cuts: dict[str, list[tuple]] = {}  # key of a chunk (or of the part read of it) -> [(slices in it, place)]
 
-    def copy_hit(spec: ChunkSpec, entry: Any, src: tuple, dst: tuple) -> None:
+    def copy_hit(spec: ChunkSpec, entry: Any, src: tuple, place: tuple) -> None:
         check_unchanged(spec)  # a cached chunk of a file changed since indexing is never served
-        _copy_part(out, dst, entry, src, dev)
+        _copy_part(place, entry, src, dev)
 
     with dev.activate():
-        cut = []  # (chunk, slices in it, slices in ``out``) of each chunk the box cuts and the cache lacks
-        for spec in needed:
-            src, dst, whole = _overlap(spec.index, edges, region)
-            if whole:
-                view = out[dst + (Ellipsis,)]
-                if not (cache is not None and _hit(cache, spec, view)):
-                    todo.append((spec, view))
-            elif cache is None or cache.visit(
-                    [spec], lambda spec, entry, src=src, dst=dst: copy_hit(spec, entry, src, dst)):
-                cut.append((spec, src, dst))  # else cached: its part copied straight out of the cache's entry
+        cut = []  # (chunk, slices in it, (its box's array, slices in that)) of each cut chunk the cache lacks
+        for needed, region, target in met:
+            for spec in needed:
+                src, dst, whole = _overlap(spec.index, edges, region)
+                if whole:
+                    view = target[dst + (Ellipsis,)]
+                    if not (cache is not None and _hit(cache, spec, view)):
+                        todo.append((spec, view))
+                elif cache is None or cache.visit(
+                        [spec], lambda spec, entry, src=src, place=(target, dst): copy_hit(spec, entry, src, place)):
+                    cut.append((spec, src, (target, dst)))  # else cached: its part copied straight out of the cache
 
         def parts():
-            """What is read of each chunk the box cuts: the part it needs, or all of it."""
-            for spec, src, dst in cut:
+            """What is read of each chunk a box cuts: the part it needs, or all of it."""
+            for spec, src, (target, dst) in cut:
                 first, part = part_of(spec, src[0]) if not source.verify else (0, None)
                 src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
                 if part is not None and part.shape == tuple(s.stop - s.start for s in src):
-                    yield part, out[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
+                    yield part, target[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
                 else:
                     part = part or spec
                     seen = part.key in cuts
-                    cuts.setdefault(part.key, []).append((src, dst))
+                    cuts.setdefault(part.key, []).append((src, (target, dst)))
                     if not seen:
                         yield part, None  # one read of the bytes, copied to every place they belong
 
         def landed(spec: ChunkSpec, arr: Any) -> None:
-            for src, dst in cuts.get(spec.key, ()):
-                _copy_part(out, dst, arr, src, dev)
+            for src, place in cuts.get(spec.key, ()):
+                _copy_part(place, arr, src, dev)
 
         if any(spec.codec is not None for spec, _, _ in cut):
-            # The chunks the box cuts first: each is copied in part as it lands (``landed``, on this
+            # The chunks a box cuts first: each is copied in part as it lands (``landed``, on this
             # thread), while the later submissions decode, not after the last. Heads last, in a
             # submission of their own (``read_in_order``) that takes no settle slot: they decode on the
             # host's cores once the other reads have landed, beside nvCOMP's calls. First, they decoded
@@ -173,12 +218,11 @@ def read_region(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tup
             # The whole chunks go first, and the cut ones' parts are worked out as the submissions
             # reach them, while the first reads are in flight: a slice of a Zarr volume of 16 stored
             # chunks a block spent most of its time before its first read on eight blocks' parts.
-            reads, like = itertools.chain(tuple(todo), parts()), needed
+            reads, like = itertools.chain(tuple(todo), parts()), [spec for needed, _, _ in met for spec in needed]
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
         # (A head whose frame cannot serve it is read whole by the engine: ``Reads._whole_instead``.)
         read_in_order(reads, source.backend_instance(), source.verify, landed, max(STAGED, inflight_room(dev)),
                       like=like)
-    return out
 
 
 def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:
@@ -222,10 +266,12 @@ def _overlap(index: tuple, edges: list, region: tuple) -> tuple[tuple, tuple, bo
     return tuple(src), tuple(dst), whole
 
 
-def _copy_part(out: Any, dst: tuple, chunk: Any, src: tuple, dev: Any) -> None:
+def _copy_part(place: tuple, chunk: Any, src: tuple, dev: Any) -> None:
+    """Copy ``chunk[src]`` to ``place``, ``(an array, slices in it)``."""
     from gpulazy.device import own_stream
     from gpulazy.read.decode import count
 
+    out, dst = place
     with own_stream(dev):  # waited for: the chunk goes back to the pool only after the copy
         out[dst + (Ellipsis,)] = chunk[src + (Ellipsis,)]
     count("copies")

@@ -161,7 +161,6 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
     cache = source.cache_instance()
     edges = [list(itertools.accumulate(c, initial=0)) for c in chunks]
     met = [(_meeting(specs, edges, region), region, target) for region, target in boxes]
-    todo: list[tuple[ChunkSpec, Any]] = []
     # Keys name content, not place: two chunks of the same bytes (pieces never written, read as the
     # fill value: an HDF5 chunk table's missing chunks share one key) are one key at two places; so
     # is a chunk two boxes cut.
@@ -173,16 +172,20 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
 
     with dev.activate():
         cut = []  # (chunk, slices in it, (its box's array, slices in that)) of each cut chunk the cache lacks
-        for needed, region, target in met:
-            for spec in needed:
-                src, dst, whole = _overlap(spec.index, edges, region)
-                if whole:
-                    view = target[dst + (Ellipsis,)]
-                    if not (cache is not None and _hit(cache, spec, view)):
-                        todo.append((spec, view))
-                elif cache is None or cache.visit(
-                        [spec], lambda spec, entry, src=src, place=(target, dst): copy_hit(spec, entry, src, place)):
-                    cut.append((spec, src, (target, dst)))  # else cached: its part copied straight out of the cache
+
+        def wholes():
+            """The chunks wholly inside a box, each with its place (those the cache holds copied there
+            instead); the chunks a box cuts go to ``cut``."""
+            for needed, region, target in met:
+                for spec in needed:
+                    src, dst, whole = _overlap(spec.index, edges, region)
+                    if whole:
+                        view = target[dst + (Ellipsis,)]
+                        if not (cache is not None and _hit(cache, spec, view)):
+                            yield spec, view
+                    elif cache is None or cache.visit(
+                            [spec], lambda spec, entry, src=src, place=(target, dst): copy_hit(spec, entry, src, place)):
+                        cut.append((spec, src, (target, dst)))  # else cached: its part copied straight out of it
 
         def parts():
             """What is read of each chunk a box cuts: the part it needs, or all of it."""
@@ -202,7 +205,8 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
             for src, place in cuts.get(spec.key, ()):
                 _copy_part(place, arr, src, dev)
 
-        if any(spec.codec is not None for spec, _, _ in cut):
+        like = [spec for needed, _, _ in met for spec in needed]
+        if any(spec.codec is not None for spec in like):
             # The chunks a box cuts first: each is copied in part as it lands (``landed``, on this
             # thread), while the later submissions decode, not after the last. Heads last, in a
             # submission of their own (``read_in_order``) that takes no settle slot: they decode on the
@@ -210,19 +214,22 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
             # while KvikIO's threads held every core (35 ms for 64 heads on an H200, the submission after
             # them 24 ms instead of 1.4) and kept a slot the last nvCOMP call waited for: [1:129] of a
             # 2 GiB zstd Zarr took 60-62 ms that way, 53-57 with heads last (RESULTS.md, nineteenth session).
+            todo = list(wholes())
             todo.extend(parts())
             todo.sort(key=lambda item: 2 if item[0].is_head else 0 if item[1] is None else 1)
             reads: Iterable[tuple[ChunkSpec, Any]] = todo
-            like: list[ChunkSpec] | None = None
+            sizing: list[ChunkSpec] | None = None
         else:
-            # The whole chunks go first, and the cut ones' parts are worked out as the submissions
-            # reach them, while the first reads are in flight: a slice of a Zarr volume of 16 stored
-            # chunks a block spent most of its time before its first read on eight blocks' parts.
-            reads, like = itertools.chain(tuple(todo), parts()), [spec for needed, _, _ in met for spec in needed]
+            # The whole chunks go first, and what is read of the cut ones is worked out as the
+            # submissions reach them, while the first reads are in flight: a slice of a Zarr volume of
+            # 16 stored chunks a block spent most of its time before its first read on eight blocks'
+            # parts. The whole ones' places too are made as the submissions take them: a list of 64
+            # planes made a view of the result for each before its first read.
+            reads, sizing = itertools.chain(wholes(), parts()), like
         # Each read's files are stat'ed again as it settles (``Reads``): written to meanwhile, it raises.
         # (A head whose frame cannot serve it is read whole by the engine: ``Reads._whole_instead``.)
         read_in_order(reads, source.backend_instance(), source.verify, landed, max(STAGED, inflight_room(dev)),
-                      like=like)
+                      like=sizing)
 
 
 def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:

@@ -4,7 +4,8 @@ Writes ``--planes`` files of ``--mib`` MiB (uint16 planes) and one big file hold
 same bytes, then times, each beside its naive and raw equivalents in the same run:
 
 - the pinned host->device copy ceiling (GPU);
-- one big file and the many plane files, ``from_files(...).compute()``;
+- one big file and the many plane files, ``from_files(...).compute()``, and the planes' ``persist()``
+  (beside dask's own ``dask.persist``);
 - a maximum-intensity projection ``planes.max(axis=0)``, its depth map ``planes.argmax(axis=0)``, a slice ``planes[:half]`` (on chunk
   boundaries: the fast path), one off them ``planes[1:half + 1]``, every fourth plane as a list, ``big.astype("f8").sum()``
   and ``planes.mean()``; with ``--read-ahead 0,1GiB,4GiB`` (and/or ``--batch-size LIST``) these
@@ -126,6 +127,8 @@ def _ratios(r: dict[str, float], whole: dict[str, float] | None, raw: float | No
 def _agree(xp: Any, ours: Any, ref: Any) -> bool:
     """gpulazy's result equals the raw way's (integers byte for byte; float sums of integers below
     2**53 are exact, a mean is rounded once), compared where both live."""
+    if hasattr(ours, "__dask_graph__"):  # a persisted array: its blocks put together
+        ours = ours.compute()
     a, b = xp.asarray(ours), xp.asarray(ref)
     if a.dtype.kind == "f" or b.dtype.kind == "f":
         return a.shape == b.shape and bool(xp.allclose(a, b, rtol=1e-12, atol=0))
@@ -270,6 +273,11 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
 
         row("one file compute()", lambda: big.compute(), lambda: raw([big_path], total), None, whole=None)
         row("planes compute()", lambda: vol.compute(), rawv, lambda: naive.compute(), whole=None)
+        # persist(): the same read, held as dask's blocks (views of the result); dask's own, a task a chunk.
+        row("planes persist()", lambda: vol.persist(), rawv, lambda: naive.persist())
+        rows_out["planes persist(), dask.persist (a task a chunk)"] = _ratios(
+            {"gpulazy": gbps(_best(lambda: dask.persist(vol)[0], repeat, sync))}, rows_out["planes compute()"],
+            rows_out["planes persist()"].get("raw"))
         pair = tuple(gpulazy.from_files(part, shape=shape, dtype="uint16", device=dev.name, cache=False)
                      for part in (paths[:half], paths[half:2 * half]))
         quarter = len(paths) // 4

@@ -250,7 +250,8 @@ def _array_class() -> type:
         size. Active dask callbacks (progress bars, your own) see every chunk task start
         and finish, as on dask's scheduler (``gpulazy.prefetch`` has nothing to do there). Otherwise, and for everything derived from it (slices, reductions), dask
         computes as usual. ``compute_path`` tells which way the last ``compute()`` went
-        (``"fast"`` or ``"dask"``).
+        (``"fast"`` or ``"dask"``). ``persist()`` computes by the same path and holds the result as
+        dask's blocks, views of one array.
         """
 
         compute_path: str | None = None
@@ -324,6 +325,25 @@ def _array_class() -> type:
 
         def compute(self, **kwargs: Any) -> Any:
             """The whole array on its device; see the class docstring for the fast path."""
+            out = self._gl_compute(kwargs)
+            if out is not _NOT_FAST:
+                return out
+            self.compute_path = "dask"
+            return super().compute(**kwargs)
+
+        def persist(self, **kwargs: Any) -> Any:
+            """``dask.array.Array.persist``: where ``compute()`` takes a fast path, the array is computed that
+            way (at the read rate, not dask's per-task pace) and its blocks are views of the result, in
+            ``self.chunks``, under ``self``'s keys (one allocation, what dask's blocks would hold
+            together). A cluster, other options or no fast path: dask's own."""
+            out = self._gl_compute(kwargs) if _local_compute(kwargs) else _NOT_FAST
+            if out is _NOT_FAST:
+                self.compute_path = "dask"
+                return super().persist(**kwargs)
+            return _held(self, out)
+
+        def _gl_compute(self, kwargs: dict) -> Any:
+            """The result by the fast path ``compute(**kwargs)`` takes (``compute_path`` set), or ``_NOT_FAST``."""
             box = getattr(self, "_gl_box_of", None)
             if (box is not None and all(k == 1 for k in box[2]) and box[0]._fast_path_ok(kwargs)
                     and not _active_callbacks(kwargs)):
@@ -355,8 +375,7 @@ def _array_class() -> type:
             if self._fast_path_ok(kwargs):
                 self.compute_path = "fast"
                 return self._read_whole_with_hooks(kwargs.get("callbacks"))
-            self.compute_path = "dask"
-            return super().compute(**kwargs)
+            return _NOT_FAST
 
         def _read_whole_with_hooks(self, callbacks: Any) -> Any:
             # Active callbacks (a progress bar, a user's own) are driven from the fast
@@ -971,6 +990,24 @@ def _threaded(kwargs: dict) -> bool:
 
     scheduler = kwargs.get("scheduler") or dask.config.get("scheduler", None) or "threads"
     return scheduler.lower() in ("threads", "threading")
+
+
+#: ``GpulazyArray._gl_compute``'s answer where no fast path applies.
+_NOT_FAST = object()
+
+
+def _held(arr: Any, out: Any) -> Any:
+    """``arr`` persisted: a dask array under ``arr``'s name and chunks whose blocks are views of ``out``,
+    ``arr`` computed (a block is what dask's task for it would give)."""
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+
+    out = out.reshape(arr.shape)  # (a 0-d result of a reduction: one block)
+    edges = [list(itertools.accumulate(c, initial=0)) for c in arr.chunks]
+    layer = {(arr.name, *index): out[tuple(slice(e[i], e[i + 1]) for e, i in zip(edges, index)) + (Ellipsis,)]
+             for index in itertools.product(*(range(len(c)) for c in arr.chunks))}
+    return da.Array(HighLevelGraph.from_collections(arr.name, layer, dependencies=()), arr.name, arr.chunks,
+                    meta=arr._meta)
 
 
 def _local_compute(kwargs: dict) -> bool:

@@ -192,6 +192,60 @@ def test_fast_path_reads_into_one_result_and_counts_reads(stack):
     assert gpulazy.stats().snapshot()["bytes_read"] - before == 6 * 5 * 7 * 2
 
 
+@pytest.mark.parametrize("made", ["whole", "box", "list", "map", "reduction", "pair"])
+def test_persist_reads_at_the_read_rate_into_one_array_of_dask_s_blocks(stack, made):
+    """``persist()`` computes by the fast path once, and its blocks are views of that result under the
+    array's own keys and chunks: what dask's ``persist`` gives, with every chunk read once."""
+    paths, want = stack
+    vol = _vol(paths)
+    x, expected = {"whole": (vol, want), "box": (vol[1:5, 2:], want[1:5, 2:]),
+                   "list": (vol[[5, 0, 1]], want[[5, 0, 1]]), "map": (vol.map_blocks(np.negative), -want),
+                   "reduction": (vol.max(axis=0), want.max(axis=0)),
+                   "pair": (vol[:2] - vol[4:], want[:2] - want[4:])}[made]
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    held = x.persist()
+    read = gpulazy.stats().snapshot()["bytes_read"] - before
+    assert x.compute_path == "fast" and read <= want.nbytes
+    with gpulazy.config.set(streamed_maps=False, fused_reductions=False):
+        (theirs,) = dask.persist(x)  # dask's own: a task a block
+    assert type(held) is da.Array and held.name == x.name == theirs.name and held.chunks == x.chunks
+    assert set(held.__dask_keys__() if x.ndim == 0 else held.__dask_graph__()) == set(theirs.__dask_graph__())
+    blocks = [held.__dask_graph__()[k] for k in sorted(held.__dask_graph__())]
+    base = blocks[0].base if blocks[0].base is not None else blocks[0]
+    assert all(np.shares_memory(b, base) for b in blocks)  # one allocation, views of it
+    for key, block in held.__dask_graph__().items():
+        np.testing.assert_array_equal(block, theirs.__dask_graph__()[key])
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    np.testing.assert_array_equal(held.compute(), expected)
+    assert gpulazy.stats().snapshot()["bytes_read"] == before  # (held: nothing read again)
+
+
+@pytest.mark.gpu
+def test_persist_on_the_gpu_holds_views_of_one_cupy_array(tmp_path):
+    import cupy
+
+    data = np.random.default_rng(3).integers(0, 999, (9, 40, 24)).astype("<u2")
+    p = str(tmp_path / "v.raw")
+    data.tofile(p)
+    vol = gpulazy.from_files(p, shape=data.shape, dtype="<u2", chunks=(4, 16, 24), device="cuda:0", cache=False)
+    for x, want in ((vol, data), (vol.max(axis=0), data.max(axis=0)), (vol[[8, 0]], data[[8, 0]])):
+        held = x.persist()
+        assert x.compute_path == "fast"
+        assert all(isinstance(b, cupy.ndarray) for b in held.__dask_graph__().values())
+        np.testing.assert_array_equal(to_host(held.compute()), want)
+
+
+def test_persist_is_dask_s_where_no_fast_path_applies(stack):
+    paths, want = stack
+    vol = _vol(paths)
+    held = vol.persist(scheduler="processes")
+    assert vol.compute_path == "dask" and np.array_equal(held.compute(), want)
+    changed = _vol(paths)
+    changed[0] = 0  # no longer the files
+    held = changed.persist()
+    assert changed.compute_path == "dask" and held.compute()[0].max() == 0
+
+
 def test_setitem_turns_the_fast_path_off(stack):
     paths, want = stack
     vol = _vol(paths)

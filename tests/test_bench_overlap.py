@@ -28,7 +28,7 @@ def test_rows_ratios_and_read_ahead_sweep(bench, tmp_path, capsys):
                        "--read-ahead", "0,1MiB", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["paths"]["rows"]
     whole = {"one file compute()": rows["one file compute()"], "planes compute()": rows["planes compute()"]}
-    for name in ["one file compute()", "planes compute()", *DERIVED, "[:half] compute()"]:
+    for name in ["one file compute()", "planes compute()", "planes persist()", *DERIVED, "[:half] compute()"]:
         r = rows[name]
         assert r["correct"] is True, name
         assert r["x_raw"] == pytest.approx(r["gpulazy"] / r["raw"]) and r["naive"] > 0, name

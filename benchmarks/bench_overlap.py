@@ -136,9 +136,11 @@ def _agree(xp: Any, ours: Any, ref: Any) -> bool:
 
 
 def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable, paths: list[str], plane_bytes: int,
-                  total: int, pair: tuple[Any, Any], quarters: tuple[Any, ...]
+                  total: int, pair: tuple[Any, Any], quarters: tuple[Any, ...], xp: Any
                   ) -> dict[str, tuple[Callable, Callable, Callable, int, str]]:
     """The issue-20 rows: name -> (gpulazy, raw KvikIO + the same op, naive dask, source bytes, whole row)."""
+    import dask
+
     half, q = len(paths) // 2, len(paths) // 4
     every4 = list(range(0, len(paths), 4))  # a list of planes: a box each, all read in one pass
     a, b = pair
@@ -158,6 +160,11 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
     return {
         "MIP max(axis=0)": (lambda: vol.max(axis=0).compute(), lambda: rawv().max(axis=0),
                             lambda: naive.max(axis=0).compute(), total, "planes compute()"),
+        # Two reductions computed together: one read folds each chunk into both (``share_reads``).
+        "dask.compute(min(), max())": (lambda: xp.stack(dask.compute(vol.min(), vol.max())),
+                                       lambda: (lambda planes: xp.stack([planes.min(), planes.max()]))(rawv()),
+                                       lambda: xp.stack(dask.compute(naive.min(), naive.max())), total,
+                                       "planes compute()"),
         # A depth map: the index of each pixel's brightest plane, streamed as the MIP is.
         "argmax(axis=0)": (lambda: vol.argmax(axis=0).compute(), lambda: rawv().argmax(axis=0),
                            lambda: naive.argmax(axis=0).compute(), total, "planes compute()"),
@@ -283,7 +290,7 @@ def measure_paths(*, device: str, planes: int, mib: float, repeat: int, director
         quarter = len(paths) // 4
         quarters = tuple(gpulazy.from_files(paths[k * quarter:(k + 1) * quarter], shape=shape, dtype="uint16",
                                             device=dev.name, cache=False) for k in range(4))
-        derived = _derived_rows(vol, big, naive, rawv, raw, paths, plane_bytes, total, pair, quarters)
+        derived = _derived_rows(vol, big, naive, rawv, raw, paths, plane_bytes, total, pair, quarters, xp)
         for name, (ours, raw_fn, naive_fn, nbytes, whole) in derived.items():
             row(name, ours, raw_fn, naive_fn, nbytes, whole)
         row("[:half] compute()", lambda: vol[:half].compute(),

@@ -447,11 +447,11 @@ def _array_class() -> type:
             array's part of that block)."""
             if (out is NotImplemented or kwargs or not config.get("streamed_maps") or _files_of(self) is None
                     or getattr(out, "numblocks", None) != self.numblocks or out.shape != self.shape):
-                return out
+                return _sharing(out)
             others = list({id(a): a for a in args
                            if not (a is self or _scalar(a) or _in_memory(a, self.shape))}.values())
             if others and not _streams_with(self, others):
-                return out
+                return _sharing(out)
             side = {id(a): _Side(k) for k, a in enumerate(others, 1)}
             marked = tuple(_BLOCK if a is self else side[id(a)] if id(a) in side else a if _scalar(a) else _Part(a)
                            for a in args)
@@ -565,6 +565,17 @@ def _array_class() -> type:
                     or op in ("argmax", "argmin") and (isinstance(axis, tuple) or self.dtype.kind == "c")):
                 return getattr(super(), op)(axis=axis, keepdims=keepdims, **kwargs)
             return _streamed(base, files, op, axis, keepdims, int(kwargs.get("ddof", 0)), cast)
+
+        @staticmethod
+        def __dask_optimize__(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+            """dask's array optimisation (as configured), after the chains of reductions that read the same
+            chunks are made one (``gpulazy.read.reduce.share_reads``): dask groups the collections of a
+            ``dask.compute(...)`` by this function, so the chains of ``dask.compute(vol.min(), vol.max())``
+            meet here."""
+            from gpulazy.read.reduce import share_reads
+
+            optimize = da.Array.__dask_optimize__  # (config ``array_optimize``, as dask's own arrays)
+            return optimize(share_reads(dsk) if hasattr(dsk, "layers") else dsk, keys, **kwargs)
 
         def _fast_path_ok(self, kwargs: dict) -> bool:
             if getattr(self, "_gl_name", None) != self.name:  # changed in place (vol[...] = x)
@@ -921,13 +932,12 @@ def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof:
     """A dask array whose graph is one chain (start, a step per group of chunks, the result): ``op`` of
     ``base`` (cast to ``cast`` first) folded as its chunks are read (``files``: ``_files_of(base)``;
     a streamed map's function called on each first). A gpulazy array, for its ``compute()``
-    without dask (``_gl_stream_of``)."""
-    from dask._task_spec import DataNode, Task, TaskRef
+    without dask (``_gl_stream_of``) and for the chains of several reductions of the same chunks
+    computed together to share their reads (``__dask_optimize__``)."""
     from dask.array.utils import validate_axis
     from dask.base import tokenize
-    from dask.highlevelgraph import HighLevelGraph
 
-    from gpulazy.read.reduce import groups_of, result_dtype, stream_result, stream_start, stream_step
+    from gpulazy.read.reduce import Chain, chain_graph, groups_of, result_dtype
 
     ndim = base.ndim
     if axis is None:
@@ -941,22 +951,10 @@ def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof:
     name = f"{op}-streamed-" + tokenize(base.name, op, axis, keepdims, ddof, None if cast is None else str(cast))
     specs, source, mapping = files
     groups = groups_of(specs)
-    # A chain: start, a step per group (an interrupt stops between them), the result.
-    step = f"{name}-step"
-    layer: dict = {(step, -1): Task((step, -1), stream_start, DataNode(None, groups), source,
-                                    DataNode(None, base.chunks), base.dtype, op, DataNode(None, axis), ddof, cast,
-                                    DataNode(None, mapping))}
-    for k in range(len(groups)):
-        # Each step also depends on a node of its own: dask fuses a linear chain into one task,
-        # which would leave an interrupt nothing to stop between.
-        layer[(f"{step}-group", k)] = DataNode((f"{step}-group", k), k)
-        layer[(step, k)] = Task((step, k), stream_step, TaskRef((step, k - 1)), TaskRef((f"{step}-group", k)),
-                                len(groups[k]))
     key = (name,) + (0,) * len(shape)
-    layer[key] = Task(key, stream_result, TaskRef((step, len(groups) - 1)), keepdims)
-    graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
-    out = _array_class()(graph, name, tuple((n,) for n in shape), meta=get_device(source.device).meta(
-        len(shape), dtype))
+    chain = Chain(specs, groups, source, base.chunks, base.dtype, mapping, [(op, axis, ddof, cast)], {key: (0, keepdims)})
+    out = _array_class()(chain_graph(name, chain), name, tuple((n,) for n in shape),
+                         meta=get_device(source.device).meta(len(shape), dtype))
     # Its compute() on a local scheduler with no callback runs this chain without dask (``run_stream``);
     # dask.compute, callbacks (progress bars, the prefetcher) and clusters run the graph.
     out._gl_stream_of = (groups, source, base.chunks, base.dtype, op, axis, ddof, cast, keepdims, mapping)
@@ -1008,6 +1006,19 @@ def _held(arr: Any, out: Any) -> Any:
              for index in itertools.product(*(range(len(c)) for c in arr.chunks))}
     return da.Array(HighLevelGraph.from_collections(arr.name, layer, dependencies=()), arr.name, arr.chunks,
                     meta=arr._meta)
+
+
+def _sharing(out: Any) -> Any:
+    """``out`` (dask's array) as a gpulazy array with no fast path of its own when its graph holds streamed
+    reductions (``vol.max() - vol.min()``): computed, its optimisation makes the chains that read the same
+    chunks one (``GpulazyArray.__dask_optimize__``)."""
+    import dask.array as da
+
+    from gpulazy.read.reduce import holds_chains
+
+    if type(out) is not da.Array or not holds_chains(out.dask):
+        return out
+    return _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
 
 
 def _local_compute(kwargs: dict) -> bool:

@@ -7,6 +7,8 @@ tree is what ``config fused_reductions=False`` (or an unsupported argument) give
 
 from __future__ import annotations
 
+import os
+
 import dask
 import numpy as np
 import pytest
@@ -145,6 +147,66 @@ def test_argmax_of_a_cast_and_of_an_operation_stream(tmp_path):
         vol.argmax(axis=(0, 1))  # dask's error: one axis or none
 
 
+@st.composite
+def reductions(draw, ndim):
+    """A reduction of ``ndim``-d arrays: ``(op, axis, keepdims, cast)``."""
+    op = draw(st.sampled_from(["max", "min", "sum", "mean", "var", "std", "argmax", "argmin", "any", "all"]))
+    one = st.sampled_from(range(-ndim, ndim))
+    axis = draw(st.one_of(st.none(), one) if op.startswith("arg") else st.one_of(
+        st.none(), one, st.sets(st.integers(0, ndim - 1), min_size=1).map(tuple)))
+    return op, axis, draw(st.booleans()), draw(st.sampled_from([None, "f8", "f4", "i8"]))
+
+
+@given(layout=layouts(), data=st.data(), mapped=st.booleans(), scheduler=st.sampled_from(["sync", "threads"]))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_reductions_computed_together_read_each_chunk_once(tmp_path_factory, layout, data, mapped, scheduler):
+    """``dask.compute(vol.min(), vol.max(axis=0), vol.astype("f8").std())``: one chain folds every chunk into
+    each reduction (``share_reads``), as dask's own tree reductions would share their chunk tasks."""
+    shape, chunks, _ = layout
+    values = np.random.default_rng(5).integers(0, 200, shape).astype("<u2")
+    vol = _vol(tmp_path_factory.mktemp("s"), values, chunks)
+    source, ref = (vol * 3, values * np.uint16(3)) if mapped else (vol, values)
+    asked = data.draw(st.lists(reductions(len(shape)), min_size=2, max_size=4))
+    made = [getattr(source if cast is None else source.astype(cast), op)(axis=axis, keepdims=keepdims)
+            for op, axis, keepdims, cast in asked]
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    got = dask.compute(*made, scheduler=scheduler)
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == values.nbytes  # every chunk once
+    for out, (op, axis, keepdims, cast) in zip(got, asked):
+        want = getattr(np, op)(ref if cast is None else ref.astype(cast), axis=axis, keepdims=keepdims)
+        assert out.shape == want.shape and out.dtype == want.dtype
+        np.testing.assert_allclose(out, want, rtol=1e-5)
+
+
+def test_an_operation_of_reductions_reads_once_and_what_differs_does_not_share(tmp_path):
+    data = np.random.default_rng(6).normal(0, 1, (12, 7, 5)).astype("<f4")
+    vol = _vol(tmp_path, data, (5, 3, 5))
+    (tmp_path / "o").mkdir()
+    other = _vol(tmp_path / "o", data[::-1].copy(), (5, 3, 5))
+    span = vol.max(axis=0) - vol.min(axis=0)  # (a gpulazy array: its optimisation shares the chains)
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    np.testing.assert_allclose(span.compute(), np.ptp(data, axis=0))
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == data.nbytes and span.compute_path == "dask"
+    z = (vol - vol.mean()) / vol.std()  # the mean and std in one read, then the map's
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    np.testing.assert_allclose(z.compute(), (data - data.mean()) / data.std(), atol=1e-5)
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == 2 * data.nbytes
+    graph = dict(span.__dask_optimize__(span.__dask_graph__(), span.__dask_keys__()))
+    assert sum(1 for k in graph if isinstance(k, tuple) and str(k[0]).startswith("shared-streamed")) > 0
+    # Other files, or a different map of the same files: a chain each.
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    lo, hi, twice = dask.compute(vol.min(), other.max(), (vol * 2).max())
+    assert (lo, hi, twice) == (data.min(), data.max(), (data * 2).max())
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == 3 * data.nbytes
+    # With a progress bar, as dask tasks: shared too.
+    from dask.diagnostics import ProgressBar
+
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    with ProgressBar(out=open(os.devnull, "w")):
+        np.testing.assert_allclose(span.compute(), np.ptp(data, axis=0))
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == data.nbytes
+
+
 @pytest.mark.parametrize("op,dtype", [(op, d) for op in ("sum", "mean", "var", "std") for d in ("f4", "f8")]
                          + [("sum", "i8")])  # (NumPy's mean of int64 is float64: not accumulated in int64)
 def test_a_reduction_given_the_dtype_it_accumulates_in_streams(tmp_path, op, dtype):
@@ -209,11 +271,21 @@ def test_dask_reduces_when_asked_or_when_the_arguments_need_it(tmp_path):
 def test_a_stream_sent_to_another_process_between_steps_gives_the_same_result(tmp_path):
     import pickle
 
-    from gpulazy.read.reduce import groups_of, stream_result, stream_start, stream_step
+    from gpulazy.read.reduce import groups_of, stream_result, stream_start, stream_start_shared, stream_step
 
     data = np.random.default_rng(6).normal(0, 1, (12, 5, 4)).astype("<f4")
     vol = _vol(tmp_path, data, (1, 5, 4))
     groups = [(s,) for g in groups_of(vol.chunk_index.specs) for s in g]  # a chunk a group: 12 steps
+    # (a shared stream too: two reductions folded from the one read, ``share_reads``)
+    shared = stream_start_shared(groups, vol.chunk_source, vol.chunks, vol.dtype,
+                                 [("max", (0,), 0, None), ("std", (0, 2), 1, "f8")])
+    for k in range(len(groups)):
+        if k == 5:
+            shared = pickle.loads(pickle.dumps(shared))
+        shared = stream_step(shared, k)
+    np.testing.assert_array_equal(stream_result(shared, False, 0), data.max(axis=0))
+    np.testing.assert_allclose(stream_result(shared, True, 1), data.astype("f8").std(axis=(0, 2), ddof=1,
+                                                                                       keepdims=True))
     for op, axis in (("max", (0, 2)), ("sum", (0, 2)), ("std", (0, 2)), ("argmax", (0,)), ("argmin", (0, 1, 2))):
         with gpulazy.config.set(read_ahead=3 * 80):  # a few groups in flight when it travels
             stream = stream_start(groups, vol.chunk_source, vol.chunks, vol.dtype, op, axis, 1, None)

@@ -26,10 +26,11 @@ float64 (Chan's parallel update for the variance) and return NumPy's result dtyp
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,7 +41,8 @@ from gpulazy.read.pairs import Pairs, members
 from gpulazy.read.whole import groups_by_bytes, held_bytes, inflight_room
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["result_dtype", "groups_of", "ReduceStream", "stream_start", "stream_step", "stream_result", "run_stream"]
+__all__ = ["result_dtype", "groups_of", "ReduceStream", "stream_start", "stream_start_shared", "stream_step",
+           "stream_result", "run_stream", "Chain", "chain_graph", "holds_chains", "share_reads"]
 
 
 #: Reductions giving the place of an extreme: over one axis, or all of them (a flat index).
@@ -106,23 +108,24 @@ class ReduceStream:
     result.
     """
 
-    def __init__(self, groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...],
-                 ddof: int, cast: Any, mapping: tuple | None = None):
+    def __init__(self, groups: list, source: Any, chunks: tuple, dtype: Any, ops: list[tuple], mapping: tuple | None = None):
         from gpulazy import config
 
-        self.groups, self.source, self.chunks, self.axis = groups, source, chunks, axis
+        self.groups, self.source, self.chunks, self.ops = groups, source, chunks, ops
         self.mapping = mapping  # (func, kwargs): a streamed map's function, called on each chunk first
         self.pairs = Pairs(unit for g in groups for unit in g)  # (a pair's block folds once both have landed)
         self.dev = get_device(source.device)
-        self.blocks = None if mapping is None else MapBlocks(mapping, chunks, axis, self.dev)
+        # (a map's blocks are checked against every reduction's kept axes: the axes all of them reduce)
+        reduced = tuple(a for a in range(len(chunks)) if all(a in axis for _, axis, _, _ in ops))
+        self.blocks = None if mapping is None else MapBlocks(mapping, chunks, reduced, self.dev)
         self.backend = source.backend_instance()
         self.cache = source.cache_instance()
         # A reduction over more bytes than its cache holds offers it nothing it reads: each chunk
         # would be copied in and evicted before any reuse (``DeviceCache.keeps``).
         flat = [s for g in groups for unit in g for s in members(unit)]
         self.offer = self.cache is not None and self.cache.keeps(sum(s.out_nbytes for s in flat))
-        with self.dev.activate():
-            self.acc = _Accumulator(op, chunks, axis, dtype, cast, ddof, self.dev)
+        with self.dev.activate():  # one a reduction: each chunk read once, folded into each
+            self.accs = [_Accumulator(op, chunks, axis, dtype, cast, ddof, self.dev) for op, axis, ddof, cast in ops]
         largest = max((s.out_nbytes + s.nbytes for s in flat), default=0)
         self.limit = max(int(config.get("read_ahead")), inflight_room(self.dev), 2 * largest)
         # group -> (reads, misses, bytes, what waits until its chunks are decoded)
@@ -137,9 +140,10 @@ class ReduceStream:
         with self.dev.activate():
             for k in sorted(self.pending):
                 self._finish(k)
-        state = {name: _to_host(getattr(self.acc, name)) for name in ("total", "mean", "arg") if hasattr(self.acc, name)}
-        return (_rebuilt, (self.groups, self.source, self.chunks, self.acc.dtype_in, self.acc.op, self.axis,
-                           self.acc.ddof, self.acc.cast, state, self.acc.count, self.next, self.mapping))
+        states = [({name: _to_host(getattr(acc, name)) for name in ("total", "mean", "arg") if hasattr(acc, name)},
+                   acc.count) for acc in self.accs]
+        return (_rebuilt, (self.groups, self.source, self.chunks, self.accs[0].dtype_in, self.ops, states, self.next,
+                           self.mapping))
 
     def step(self, k: int) -> ReduceStream:
         """Finish group ``k`` (submitting the next groups first); ``self``, for the next step."""
@@ -150,13 +154,19 @@ class ReduceStream:
             self._finish(k)
         return self
 
-    def result(self, keepdims: bool) -> Any:
+    def result(self, keepdims: bool, which: int = 0) -> Any:
+        """Reduction ``which``'s result."""
         self.pairs.check_done()
         with self.dev.activate():
-            out = self.acc.result()
+            out = self.accs[which].result()
         if keepdims:
-            out = out.reshape(tuple(1 if a in self.axis else n for a, n in enumerate(map(sum, self.chunks))))
+            axis = self.ops[which][1]
+            out = out.reshape(tuple(1 if a in axis else n for a, n in enumerate(map(sum, self.chunks))))
         return out
+
+    def _fold(self, spec: ChunkSpec, chunk: Any) -> None:
+        for acc in self.accs:
+            acc.fold(spec, chunk)
 
     def _fold_cached(self, group: list[ChunkSpec]) -> list[ChunkSpec]:
         """Fold the chunks of ``group`` the cache holds, where they lie (no copy); the others."""
@@ -173,7 +183,7 @@ class ReduceStream:
         def fold(spec: ChunkSpec, chunk: Any) -> None:
             check_unchanged(spec)  # a cached chunk of a file changed since indexing is never used
             with own_stream(self.dev, wait=False):
-                self.acc.fold(spec, chunk)
+                self._fold(spec, chunk)
 
         def wait() -> None:  # the folds are done before the entries may be evicted
             if self.dev.is_gpu:
@@ -221,7 +231,7 @@ class ReduceStream:
             return
         with own_stream(self.dev):  # one wait for the group's folds
             for spec, arr in zip(misses, arrays):
-                self.acc.fold(spec, arr)
+                self._fold(spec, arr)
         if self.offer:
             for spec, arr in zip(misses, arrays):
                 self.cache.get(spec, lambda s, a=arr: a)  # kept (one copy) when there is room
@@ -235,7 +245,7 @@ class ReduceStream:
         chunks = [block for block in (self.pairs.add(spec, arr) for spec, arr in chunks) if block is not None]
         with own_stream(self.dev):  # one wait for the group's calls and folds
             for spec, block in self.blocks.made(chunks):
-                self.acc.fold(spec, block)
+                self._fold(spec, block)
 
     def close(self) -> None:
         """Let go of the threads the map's function ran on (a local compute's, ``run_stream``)."""
@@ -261,14 +271,15 @@ def _to_host(arr: Any) -> np.ndarray:
     return arr.get() if hasattr(arr, "get") else np.asarray(arr)
 
 
-def _rebuilt(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
-             cast: Any, state: dict, count: np.ndarray, next_group: int, mapping: tuple | None) -> ReduceStream:
-    """A stream unpickled in another process: its running result on this process's device."""
-    stream = ReduceStream(groups, source, chunks, dtype, op, axis, ddof, cast, mapping)
+def _rebuilt(groups: list, source: Any, chunks: tuple, dtype: Any, ops: list, states: list, next_group: int,
+             mapping: tuple | None) -> ReduceStream:
+    """A stream unpickled in another process: its running results on this process's device."""
+    stream = ReduceStream(groups, source, chunks, dtype, ops, mapping)
     with stream.dev.activate():
-        for name, host in state.items():
-            getattr(stream.acc, name)[...] = stream.dev.xp.asarray(host)
-    stream.acc.count[...] = count
+        for acc, (state, count) in zip(stream.accs, states):
+            for name, host in state.items():
+                getattr(acc, name)[...] = stream.dev.xp.asarray(host)
+            acc.count[...] = count
     stream.next = next_group
     return stream
 
@@ -282,7 +293,14 @@ def _bytes(specs: Any) -> int:
 def stream_start(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
                  cast: Any, mapping: tuple | None = None) -> ReduceStream:
     """The dask task that begins a streamed reduction (no read yet: the first step submits)."""
-    return ReduceStream(groups, source, chunks, dtype, op, axis, ddof, cast, mapping)
+    return ReduceStream(groups, source, chunks, dtype, [(op, axis, ddof, cast)], mapping)
+
+
+def stream_start_shared(groups: list, source: Any, chunks: tuple, dtype: Any, ops: list,
+                        mapping: tuple | None = None) -> ReduceStream:
+    """The dask task that begins the reductions ``ops`` (``(op, axis, ddof, cast)`` each) of the same chunks,
+    each chunk read once and folded into each (``share_reads``)."""
+    return ReduceStream(groups, source, chunks, dtype, ops, mapping)
 
 
 def stream_step(stream: ReduceStream, k: int, nchunks: int = 0) -> ReduceStream:
@@ -290,9 +308,9 @@ def stream_step(stream: ReduceStream, k: int, nchunks: int = 0) -> ReduceStream:
     return stream.step(k)
 
 
-def stream_result(stream: ReduceStream, keepdims: bool) -> Any:
-    """The dask task that hands out the reduction."""
-    return stream.result(keepdims)
+def stream_result(stream: ReduceStream, keepdims: bool, which: int = 0) -> Any:
+    """The dask task that hands out reduction ``which`` of the stream."""
+    return stream.result(keepdims, which)
 
 
 def run_stream(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
@@ -495,3 +513,117 @@ class _Accumulator:
         for k, a in enumerate(self.kept):
             full = np.repeat(full, np.diff(self.edges[a]), axis=k)
         return xp.asarray(full.astype("f8"))
+
+
+# -- the chain as a dask graph; several chains over the same chunks as one --------------------
+
+class Chain(NamedTuple):
+    """What a chain of tasks reduces: ``ops`` (``(op, axis, ddof, cast)`` each: cast to ``cast`` first) of the
+    chunks ``specs`` describes (``groups_of(specs)``, a streamed map's function called on each first:
+    ``mapping``), and ``results``, the key of each result's task -> ``(which op, keepdims)``."""
+
+    specs: dict
+    groups: list
+    source: Any
+    chunks: tuple
+    dtype: Any
+    mapping: tuple | None
+    ops: list
+    results: dict
+
+    def joins(self, other: Chain) -> bool:
+        """Whether ``other`` reads what this chain reads, the same way, so one stream can fold for both."""
+        same_map = self.mapping is other.mapping or (
+            self.mapping is not None and other.mapping is not None
+            and all(a is b for a, b in zip(self.mapping, other.mapping)))
+        return (self.specs is other.specs and self.source is other.source and self.chunks == other.chunks
+                and np.dtype(self.dtype) == np.dtype(other.dtype) and same_map)
+
+
+def chain_graph(name: str, chain: Chain) -> Any:
+    """A ``HighLevelGraph`` of one layer ``name``: the chain's tasks (``_chain_tasks``), the chain kept on the
+    layer for ``share_reads``."""
+    from dask.highlevelgraph import HighLevelGraph
+
+    layer = _chain_layer_class()(_chain_tasks(name, chain), chain=chain)
+    return HighLevelGraph({name: layer}, {name: set()})
+
+
+def _chain_tasks(name: str, chain: Chain) -> dict:
+    from dask._task_spec import DataNode, Task, TaskRef
+
+    step = f"{name}-step"
+    groups = chain.groups
+    start = (stream_start_shared, DataNode(None, groups), chain.source, DataNode(None, chain.chunks), chain.dtype,
+             DataNode(None, chain.ops), DataNode(None, chain.mapping))
+    layer: dict = {(step, -1): Task((step, -1), *start)}
+    for k in range(len(groups)):
+        # Each step also depends on a node of its own: dask fuses a linear chain into one task,
+        # which would leave an interrupt nothing to stop between.
+        layer[(f"{step}-group", k)] = DataNode((f"{step}-group", k), k)
+        layer[(step, k)] = Task((step, k), stream_step, TaskRef((step, k - 1)), TaskRef((f"{step}-group", k)),
+                                len(groups[k]))
+    for key, (which, keepdims) in chain.results.items():
+        layer[key] = Task(key, stream_result, TaskRef((step, len(groups) - 1)), keepdims, which)
+    return layer
+
+
+@functools.cache
+def _chain_layer_class() -> type:
+    from dask.highlevelgraph import MaterializedLayer
+
+    class ChainLayer(MaterializedLayer):
+        """A chain's tasks, with the ``Chain`` they were made of."""
+
+        def __init__(self, mapping: dict, chain: Chain):
+            super().__init__(mapping)
+            self.chain = chain
+
+    return ChainLayer
+
+
+def holds_chains(hlg: Any) -> bool:
+    """Whether the graph ``hlg`` holds a chain's layer."""
+    layer_class = _chain_layer_class()
+    return any(isinstance(layer, layer_class) for layer in getattr(hlg, "layers", {}).values())
+
+
+def share_reads(hlg: Any) -> Any:
+    """``hlg`` with the chains that read the same chunks the same way (``Chain.joins``) made one chain whose
+    stream folds each chunk into every reduction: ``dask.compute(vol.min(), vol.max())`` and ``vol.max() -
+    vol.min()`` read ``vol`` once, as dask's own tree reductions share their chunk tasks. Each chain's layer
+    keeps its name and result keys, its results now taken from the shared stream's last step."""
+    from dask._task_spec import Task, TaskRef
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+    layer_class = _chain_layer_class()
+    chains = [(name, layer.chain) for name, layer in hlg.layers.items() if isinstance(layer, layer_class)]
+    buckets: list[list[tuple[str, Chain]]] = []
+    for name, chain in chains:
+        bucket = next((b for b in buckets if b[0][1].joins(chain)), None)
+        if bucket is None:
+            buckets.append([(name, chain)])
+        else:
+            bucket.append((name, chain))
+    if all(len(b) == 1 for b in buckets):
+        return hlg
+    layers, dependencies = dict(hlg.layers), {k: set(v) for k, v in hlg.dependencies.items()}
+    for bucket in buckets:
+        if len(bucket) == 1:
+            continue
+        ops, places = [], []
+        for name, chain in bucket:
+            places.append((name, {key: (len(ops) + which, keepdims) for key, (which, keepdims) in chain.results.items()}))
+            ops.extend(chain.ops)
+        shared = "shared-streamed-" + tokenize(*(name for name, _ in bucket))
+        steps = _chain_tasks(shared, bucket[0][1]._replace(ops=ops, results={}))
+        layers[shared], dependencies[shared] = MaterializedLayer(steps), set()
+        last = TaskRef((f"{shared}-step", len(bucket[0][1].groups) - 1))
+        # Each chain's layer keeps its name and keys (a blockwise layer names its inputs' layers), now its
+        # results alone, taken from the shared stream.
+        for name, results in places:
+            layers[name] = MaterializedLayer({key: Task(key, stream_result, last, keepdims, which)
+                                              for key, (which, keepdims) in results.items()})
+            dependencies[name] = {shared}
+    return HighLevelGraph(layers, dependencies)

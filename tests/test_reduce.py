@@ -472,6 +472,20 @@ def test_argmax_argmin_any_all_stream_on_the_gpu(tmp_path, op):
 
 
 @pytest.mark.gpu
+def test_reductions_computed_together_share_one_read_on_the_gpu(tmp_path):
+    data = np.random.default_rng(7).integers(0, 60000, (33, 64, 48)).astype("<u2")
+    vol = _vol(tmp_path, data, (8, 32, 48), device="cuda:0")
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    lo, hi, mean, depth = dask.compute(vol.min(), vol.max(axis=0), vol.astype("f4").mean(axis=(1, 2)),
+                                       vol.argmax(axis=0))
+    assert gpulazy.stats().snapshot()["bytes_read"] - before == data.nbytes
+    assert int(lo) == data.min() and type(hi).__module__.startswith("cupy")
+    np.testing.assert_array_equal(to_host(hi), data.max(axis=0))
+    np.testing.assert_allclose(to_host(mean), data.astype("f4").mean(axis=(1, 2)), rtol=1e-5)
+    np.testing.assert_array_equal(to_host(depth), data.argmax(axis=0))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_streamed_reductions_on_the_gpu(tmp_path, op):
     data = np.random.default_rng(4).integers(0, 60000, (33, 64, 48)).astype("<u2")

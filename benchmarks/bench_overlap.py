@@ -165,6 +165,11 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
                                        lambda: (lambda planes: xp.stack([planes.min(), planes.max()]))(rawv()),
                                        lambda: xp.stack(dask.compute(naive.min(), naive.max())), total,
                                        "planes compute()"),
+        # An intensity histogram (NumPy's function of the array): each chunk's counts added up as it lands.
+        "np.histogram(bins=256)": (lambda: np.histogram(vol, bins=256, range=(0, 65536))[0].compute(),
+                                   lambda: xp.histogram(rawv(), bins=256, range=(0, 65536))[0],
+                                   lambda: np.histogram(naive, bins=256, range=(0, 65536))[0].compute(), total,
+                                   "planes compute()"),
         # A depth map: the index of each pixel's brightest plane, streamed as the MIP is.
         "argmax(axis=0)": (lambda: vol.argmax(axis=0).compute(), lambda: rawv().argmax(axis=0),
                            lambda: naive.argmax(axis=0).compute(), total, "planes compute()"),

@@ -498,6 +498,9 @@ def _array_class() -> type:
             out = super().__array_function__(func, types, args, kwargs)
             if func in _NUMPY_ELEMENTWISE and not kwargs:  # ``np.where(vol > 5, vol, 0)``, ``np.clip``: maps
                 return self._gl_elementwise(out, func, args, {})
+            if func is np.histogram:  # (dask's first: its errors, its edges)
+                counts = _streamed_histogram(self, out, args, kwargs)
+                return out if counts is None else (counts, out[1])
             return out
 
         def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
@@ -958,6 +961,43 @@ def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof:
     # Its compute() on a local scheduler with no callback runs this chain without dask (``run_stream``);
     # dask.compute, callbacks (progress bars, the prefetcher) and clusters run the graph.
     out._gl_stream_of = (groups, source, base.chunks, base.dtype, op, axis, ddof, cast, keepdims, mapping)
+    return out
+
+
+def _streamed_histogram(arr: Any, dasks: tuple, args: tuple, kwargs: dict) -> Any:
+    """``np.histogram(arr, bins, range)``'s counts streamed: a chain that counts each chunk's values as its
+    read lands (``np.histogram`` of the chunk with ``bins`` and ``range``, as dask's task for its block
+    counts them) and adds them up; ``dasks``: dask's ``(counts, edges)``. ``None`` (dask's) for
+    ``density``, ``weights`` or ``bins``/``range`` that are dask collections."""
+    import inspect
+
+    from dask.base import is_dask_collection, tokenize
+
+    from gpulazy.read.reduce import Chain, chain_graph, groups_of
+
+    try:
+        given = inspect.signature(np.histogram).bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    base, cast = getattr(arr, "_gl_cast_of", (arr, None))
+    bins, limits = given.get("bins", 10), given.get("range")
+    files = _files_of(base)
+    if (given.get("a") is not arr or given.get("density") or given.get("weights") is not None or files is None
+            or is_dask_collection(bins) or is_dask_collection(limits) or not config.get("fused_reductions")
+            or 0 in arr.shape or _distributed_client_active()):
+        return None
+    bins = bins if np.ndim(bins) == 0 else np.asarray(bins)
+    counts = dasks[0]
+    specs, source, mapping = files
+    op = ("histogram", bins, None if limits is None else tuple(limits))
+    axis = tuple(range(arr.ndim))
+    name = "histogram-streamed-" + tokenize(base.name, bins, op[2], None if cast is None else str(cast))
+    groups = groups_of(specs)
+    key = (name, 0)
+    chain = Chain(specs, groups, source, base.chunks, base.dtype, mapping, [(op, axis, 0, cast)], {key: (0, False)})
+    out = _array_class()(chain_graph(name, chain), name, counts.chunks,
+                         meta=get_device(source.device).meta(1, counts.dtype))
+    out._gl_stream_of = (groups, source, base.chunks, base.dtype, op, axis, 0, cast, False, mapping)
     return out
 
 

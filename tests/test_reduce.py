@@ -178,6 +178,39 @@ def test_reductions_computed_together_read_each_chunk_once(tmp_path_factory, lay
         np.testing.assert_allclose(out, want, rtol=1e-5)
 
 
+@given(layout=layouts(), dtype=st.sampled_from(["<u2", ">i4", "<f4", "u1"]), edges=st.booleans(),
+       made=st.sampled_from(["files", "cast", "map"]), bins=st.integers(1, 12), cached=st.booleans())
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_np_histogram_streams_and_equals_dask_s(tmp_path_factory, layout, dtype, edges, made, bins, cached):
+    """``np.histogram(vol, bins, range)``: each chunk's counts as dask's task for its block counts them (values
+    on the edges of bins included), added up as the reads land; the edges are dask's."""
+    import dask.array as da
+
+    shape, chunks, _ = layout
+    data = np.random.default_rng(bins).integers(0, 100, shape).astype(dtype)
+    vol = _vol(tmp_path_factory.mktemp("h"), data, chunks, cache=cached)
+    source, ref = {"files": (vol, data), "cast": (vol.astype("f8"), data.astype("f8")),
+                   "map": (vol * 2 - 7, data * 2 - 7)}[made]
+    kw = {"bins": np.linspace(-10, 150, bins + 1).tolist()} if edges else {"bins": bins, "range": (0, 99)}
+    counts, got_edges = np.histogram(source, **kw)
+    want, want_edges = np.histogram(da.from_array(ref, chunks=chunks), **kw)
+    assert "streamed" in counts.name and counts.dtype == want.dtype and counts.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got_edges), np.asarray(want_edges))
+    for out in (counts.compute(), dask.compute(counts)[0]):
+        np.testing.assert_array_equal(out, want.compute())
+    np.testing.assert_array_equal(counts.compute(), np.histogram(ref, **kw)[0])
+
+
+def test_np_histogram_is_dask_s_for_density_and_weights(tmp_path):
+    data = np.arange(40, dtype="<u2").reshape(8, 5)
+    vol = _vol(tmp_path, data, (3, 5))
+    density, _ = np.histogram(vol, bins=4, range=(0, 40), density=True)
+    assert "streamed" not in density.name
+    np.testing.assert_allclose(density.compute(), np.histogram(data, bins=4, range=(0, 40), density=True)[0])
+    with pytest.raises(ValueError, match="range"):  # dask's own error: it needs the range to be lazy
+        np.histogram(vol, bins=4)
+
+
 def test_an_operation_of_reductions_reads_once_and_what_differs_does_not_share(tmp_path):
     data = np.random.default_rng(6).normal(0, 1, (12, 7, 5)).astype("<f4")
     vol = _vol(tmp_path, data, (5, 3, 5))
@@ -476,9 +509,11 @@ def test_reductions_computed_together_share_one_read_on_the_gpu(tmp_path):
     data = np.random.default_rng(7).integers(0, 60000, (33, 64, 48)).astype("<u2")
     vol = _vol(tmp_path, data, (8, 32, 48), device="cuda:0")
     before = gpulazy.stats().snapshot()["bytes_read"]
-    lo, hi, mean, depth = dask.compute(vol.min(), vol.max(axis=0), vol.astype("f4").mean(axis=(1, 2)),
-                                       vol.argmax(axis=0))
+    counts, _ = np.histogram(vol, bins=50, range=(0, 60000))
+    lo, hi, mean, depth, counted = dask.compute(vol.min(), vol.max(axis=0), vol.astype("f4").mean(axis=(1, 2)),
+                                                vol.argmax(axis=0), counts)
     assert gpulazy.stats().snapshot()["bytes_read"] - before == data.nbytes
+    np.testing.assert_array_equal(to_host(counted), np.histogram(data, bins=50, range=(0, 60000))[0])
     assert int(lo) == data.min() and type(hi).__module__.startswith("cupy")
     np.testing.assert_array_equal(to_host(hi), data.max(axis=0))
     np.testing.assert_allclose(to_host(mean), data.astype("f4").mean(axis=(1, 2)), rtol=1e-5)

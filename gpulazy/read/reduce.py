@@ -49,9 +49,11 @@ __all__ = ["result_dtype", "groups_of", "ReduceStream", "stream_start", "stream_
 ARG_OPS = ("argmax", "argmin")
 
 
-def result_dtype(op: str, dtype: Any, ndim: int, axis: tuple[int, ...], cast: Any = None) -> np.dtype:
+def result_dtype(op: Any, dtype: Any, ndim: int, axis: tuple[int, ...], cast: Any = None) -> np.dtype:
     """The dtype NumPy gives ``op`` over an array of ``dtype`` (``cast`` first, as ``astype`` does)."""
     probe = np.ones((1,) * ndim, dtype=cast if cast is not None else dtype)
+    if isinstance(op, tuple):  # ("histogram", bins, range): its counts
+        return np.histogram(probe, bins=op[1], range=op[2])[0].dtype
     if op in ARG_OPS:  # (one axis or none)
         return getattr(np, op)(probe, axis=axis[0] if len(axis) == 1 else None).dtype
     return getattr(np, op)(probe, axis=axis).dtype
@@ -343,16 +345,23 @@ _MOST_PLANES = 64
 class _Accumulator:
     """The running result of ``op``: each chunk folded into the block of the result it maps to."""
 
-    def __init__(self, op: str, chunks: tuple, axis: tuple[int, ...], dtype: Any, cast: Any, ddof: int,
+    def __init__(self, op: Any, chunks: tuple, axis: tuple[int, ...], dtype: Any, cast: Any, ddof: int,
                  dev: Device):
+        self.out_dtype = result_dtype(op, dtype, len(chunks), axis, cast)
+        if isinstance(op, tuple):  # ("histogram", bins, range): counts of every chunk's values, added up
+            op, self.bins, self.range = op
+            axis = tuple(range(len(chunks)))
         self.op, self.axis, self.ddof, self.dev, self.xp = op, axis, ddof, dev, dev.xp
         self.dtype_in = np.dtype(dtype)
         self.cast = np.dtype(cast) if cast is not None else None
         self.kept = [a for a in range(len(chunks)) if a not in axis]
         self.edges = [np.cumsum((0,) + tuple(c)) for c in chunks]
         shape = tuple(int(sum(chunks[a])) for a in self.kept)
-        self.out_dtype = result_dtype(op, dtype, len(chunks), axis, cast)
-        work = self.out_dtype if op in ("max", "min", "sum", "any", "all") else np.dtype("f8")
+        if op == "histogram":
+            shape = (np.size(self.bins) - 1 if np.ndim(self.bins) else int(self.bins),)
+            if np.ndim(self.bins):
+                self.bins = dev.xp.asarray(self.bins)
+        work = self.out_dtype if op in ("max", "min", "sum", "any", "all", "histogram") else np.dtype("f8")
         self.shape = shape
         if op in ARG_OPS:  # the extreme so far (in the chunks' dtype) and its index
             work = self.cast if self.cast is not None else self.dtype_in
@@ -400,6 +409,8 @@ class _Accumulator:
                 (xp.maximum if op == "max" else xp.minimum)(dst, part, out=dst)
         elif op in ARG_OPS:
             self._fold_arg(spec, chunk, dst, self.arg[region], seen)
+        elif op == "histogram":  # each chunk's counts as dask's task for its block counts them
+            dst += xp.histogram(chunk, bins=self.bins, range=self.range)[0]
         elif op in ("any", "all"):
             part = getattr(xp, op)(chunk, axis=axis)
             if seen == 0:
@@ -490,7 +501,7 @@ class _Accumulator:
     def result(self) -> Any:
         """The reduction, in an array from the consumer's pool, complete on every stream."""
         xp, op = self.xp, self.op
-        if op in ("max", "min", "sum", "any", "all"):
+        if op in ("max", "min", "sum", "any", "all", "histogram"):
             return self.total
         if op in ARG_OPS:
             return self.arg

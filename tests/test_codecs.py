@@ -520,6 +520,12 @@ def test_zstd_and_lz4_framings_check_sizes():
     assert _frame("zstd", "zstd", blob[:64], b"", len(blob), 5000)[0] == (0, len(blob))
     assert _frame("zstd", "zstd", blob[:64], b"", len(blob), 4999)[0] is None
     assert _frame("zstd", "zstd", b"\x00" * 64, b"", 100, 10)[0] is None
+    # A frame that does not say its content size goes to the host: nvCOMP would not stop at the output's
+    # end were it longer (an illegal address on an H200).
+    zstandard = pytest.importorskip("zstandard")
+    unsized = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(b"y" * 5064)
+    span, why = _frame("zstd", "zstd", unsized[:64], b"", len(unsized), 5000)
+    assert span is None and "does not say" in why
     lz = numcodecs.LZ4().encode(b"z" * 300)
     assert _frame("lz4", "lz4-numcodecs", lz[:64], b"", len(lz), 300) == ((4, len(lz)), "")
     assert _frame("lz4", "lz4-numcodecs", lz[:64], b"", len(lz), 301)[0] is None

@@ -19,7 +19,7 @@ Before nvCOMP sees a piece, the size its framing declares (zstd content size, lz
 prefix, gzip ISIZE) must be the expected one: ``gpulazy.codecs._frames``, the same check
 the host decoders make. A piece whose framing is not the plain form (a zstd dictionary,
 a preset zlib dictionary, a gzip header longer than what was fetched), declares another
-size, or whose stream does not end exactly at the piece's end (a zstd frame's block
+size (or, a zstd frame, none: nvCOMP does not stop at its output's end), or whose stream does not end exactly at the piece's end (a zstd frame's block
 headers, an LZ4 block's sequences, walked by one GPU thread per piece) is not sent to
 nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on the host, which
 either decodes it or raises the error that names the file. The same goes for pieces
@@ -349,6 +349,11 @@ def _zstd(head: bytes, size: int) -> tuple[Any, str]:
         return None, "not a zstd frame (magic number missing)"
     if head[4] & 3:
         return None, "zstd frame uses a dictionary"
+    if not head[4] >> 5:  # (no single-segment flag, no content-size field)
+        # nvCOMP does not stop at the end of its output: a frame decoding longer than the chunk faulted
+        # the CUDA context (an illegal address, found by the GPU suite). Without the size the frame
+        # declares (``check_declared``), libzstd on the host decodes it, bounded by the chunk's size.
+        return None, "its zstd frame does not say how many bytes it decodes to"
     start, trailer = zstd_header(head)
     if trailer:  # libzstd on the host checks it; a corrupt frame would otherwise be data
         return None, "its zstd frame has a checksum of its content, which nvCOMP does not verify"

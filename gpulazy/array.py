@@ -13,6 +13,7 @@ your current stream is left as it is. See docs/streams.md.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import itertools
@@ -291,7 +292,8 @@ def _array_class() -> type:
         def __getitem__(self, index: Any) -> Any:
             """A slice on chunk boundaries stays a gpulazy array over the same chunks; a box off
             them, or a plane (``vol[5]``, ``vol[:, 0]``: integers among step-1 slices), keeps a
-            ``compute()`` that reads only the box; any other index is dask's."""
+            ``compute()`` that reads only the box; so does a list of planes (``_pick``); any other
+            index is dask's."""
             within = _in_base(self, index)
             if within is not None:  # a box of a box: the box of the files it is (``vol[100:200][5]``)
                 return self._gl_box_of[0][within]
@@ -300,12 +302,10 @@ def _array_class() -> type:
             blocks = _aligned_blocks(self, region) if region is not None and not dropped else None
             if blocks is not None:
                 return _block_slice(self, blocks)
+            picked = _picked(self, index) if region is None else None
+            if picked is not None:
+                return _pick(self, *picked)
             out = super().__getitem__(index)
-            picked = _picked(self, index) if region is None and out is not self else None
-            if picked is not None and out.shape == _picked_shape(self.shape, *picked):
-                view = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
-                view._gl_pick_of = (self, *picked)  # its compute() reads the planes it picks alone
-                return view
             if out is not self and region is None and config.get("streamed_maps"):
                 strided = _strided(self, index)
                 # (dask's blocks: one a chunk picked from, unless it keeps an empty one: then dask's own)
@@ -1140,9 +1140,44 @@ def _picked(arr: Any, index: Any) -> tuple[int, tuple[int, ...], tuple, tuple[in
     return axis, positions, region, dropped
 
 
-def _picked_shape(shape: tuple[int, ...], axis: int, positions: tuple[int, ...], region: tuple,
-                  dropped: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(len(positions) if a == axis else hi - lo for a, (lo, hi) in enumerate(region) if a not in dropped)
+def _pick(arr: Any, axis: int, positions: tuple[int, ...], region: tuple, dropped: tuple[int, ...]) -> Any:
+    """``arr[index]`` for a list of planes (``_picked``), as a gpulazy array whose ``compute()`` reads them
+    alone (``_gl_pick_of``: ``read_picks``) and whose dask graph cuts each block from a chunk of ``arr``:
+    a block a chunk each run of neighbouring positions meets, along ``axis``, and each chunk the box
+    meets along the others. dask's own graph for a list index (its ``take``) took 4 ms to build for 64
+    planes, longer than reading them from the page cache; this one, values the same, a tenth of that."""
+    from dask._task_spec import Task, TaskRef
+    from dask.array.utils import meta_from_array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    from gpulazy.read.whole import runs
+
+    edges = [list(itertools.accumulate(c, initial=0)) for c in arr.chunks]
+    met = [[piece for _, first, n in runs(positions) for piece in _span(first, first + n, ends)] if a == axis
+           else _span(lo, hi, ends) for a, ((lo, hi), ends) in enumerate(zip(region, edges))]
+    name = "pick-" + tokenize(arr.name, axis, positions, region, dropped)
+    layer = {}
+    for pieces in itertools.product(*(list(enumerate(along)) for along in met)):
+        key = (name, *(j for a, (j, _) in enumerate(pieces) if a not in dropped))
+        cut = tuple(piece[1].start if a in dropped else piece[1] for a, (_, piece) in enumerate(pieces))
+        layer[key] = Task(key, operator.getitem, TaskRef((arr.name, *(piece[0] for _, piece in pieces))), cut)
+    chunks = tuple(tuple(n for _, _, n in along) for a, along in enumerate(met) if a not in dropped)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[arr])
+    view = _array_class()(graph, name, chunks, meta=meta_from_array(arr._meta, ndim=len(chunks)))
+    view._gl_pick_of = (arr, axis, positions, region, dropped)
+    return view
+
+
+def _span(lo: int, hi: int, edges: list[int]) -> list[tuple[int, slice, int]]:
+    """``_met`` of ``lo:hi`` (step 1) along an axis of chunk ``edges``, found by bisection: a list of many
+    planes looks up each run's chunks, not every chunk of the axis."""
+    out = []
+    for i in range(bisect.bisect_right(edges, lo) - 1, bisect.bisect_left(edges, hi)):
+        s0, s1 = max(edges[i], lo), min(edges[i + 1], hi)
+        if s0 < s1:
+            out.append((i, slice(s0 - edges[i], s1 - edges[i]), s1 - s0))
+    return out
 
 
 def _in_base(box: Any, index: Any) -> tuple | None:

@@ -1130,3 +1130,7 @@ def test_a_list_of_planes_reads_only_them_and_each_chunk_it_cuts_once(tmp_path, 
         assert part.compute_path == "fast" and type(got) is type(vol._meta)
         np.testing.assert_array_equal(to_host(got), data[index])
         assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes, index
+    # Its dask graph: a block a chunk each run of neighbouring planes meets, cut from that chunk's task.
+    part = vol[[3, 4, 20, 39, 38]]
+    assert part.chunks[0] == (2, 1, 1, 1) and len(part.__dask_graph__()) > 4
+    np.testing.assert_array_equal(to_host(dask.compute(part)[0]), data[[3, 4, 20, 39, 38]])

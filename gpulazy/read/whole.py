@@ -26,7 +26,7 @@ import numpy as np
 from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_region", "read_picks", "read_all", "read_in_order", "part_of", "groups_by_bytes", "iter_groups",
+__all__ = ["read_whole", "read_region", "read_picks", "runs", "read_all", "read_in_order", "part_of", "groups_by_bytes", "iter_groups",
            "held_bytes", "inflight_room", "settle_later", "settle_pool", "settle_slots", "settlers", "stream_calls",
            "GROUP", "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
 
@@ -122,14 +122,14 @@ def read_picks(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tupl
     shape = tuple(len(positions) if a == axis else hi - lo for a, (lo, hi) in enumerate(region))
     out = _result(shape, dtype, order, get_device(source.device))
     boxes = []
-    for at, first, n in _runs(positions):
+    for at, first, n in runs(positions):
         box = region[:axis] + ((first, first + n),) + region[axis + 1:]
         boxes.append((box, out[(slice(None),) * axis + (slice(at, at + n),)]))
     _read_boxes(specs, source, chunks, boxes)
     return out
 
 
-def _runs(positions: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def runs(positions: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """``(where in the result, first position, how many)`` for each run of consecutive positions."""
     at = 0
     for _, run in itertools.groupby(enumerate(positions), lambda item: item[1] - item[0]):

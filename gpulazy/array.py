@@ -367,7 +367,7 @@ def _array_class() -> type:
                 self.compute_path = "fast"
                 from gpulazy.read.reduce import run_stream
 
-                return run_stream(*chain, threaded=_threaded(kwargs))
+                return run_stream(chain, threaded=_threaded(kwargs))
             mapped = _map_of(self)
             if mapped is not None and _local_compute(kwargs):
                 self.compute_path = "fast"
@@ -940,7 +940,7 @@ def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof:
     from dask.array.utils import validate_axis
     from dask.base import tokenize
 
-    from gpulazy.read.reduce import Chain, chain_graph, groups_of, result_dtype
+    from gpulazy.read.reduce import result_dtype
 
     ndim = base.ndim
     if axis is None:
@@ -952,15 +952,23 @@ def _streamed(base: Any, files: tuple, op: str, axis: Any, keepdims: bool, ddof:
         n for a, n in enumerate(base.shape) if a not in axis)
     dtype = result_dtype(op, base.dtype, ndim, axis, cast)
     name = f"{op}-streamed-" + tokenize(base.name, op, axis, keepdims, ddof, None if cast is None else str(cast))
-    specs, source, mapping = files
-    groups = groups_of(specs)
     key = (name,) + (0,) * len(shape)
-    chain = Chain(specs, groups, source, base.chunks, base.dtype, mapping, [(op, axis, ddof, cast)], {key: (0, keepdims)})
-    out = _array_class()(chain_graph(name, chain), name, tuple((n,) for n in shape),
-                         meta=get_device(source.device).meta(len(shape), dtype))
+    return _chain_array(name, base, files, (op, axis, ddof, cast), key, keepdims, tuple((n,) for n in shape), dtype)
+
+
+def _chain_array(name: str, base: Any, files: tuple, op: tuple, key: tuple, keepdims: bool, chunks: tuple,
+                 dtype: Any) -> Any:
+    """A gpulazy array of one chunk, ``key``: the reduction ``op`` (``(op, axis, ddof, cast)``) of ``base``'s
+    chunks (``files``: ``_files_of(base)``) as a chain (``gpulazy.read.reduce.Chain``)."""
+    from gpulazy.read.reduce import Chain, chain_graph, groups_of
+
+    specs, source, mapping = files
+    chain = Chain(specs, groups_of(specs), source, base.chunks, base.dtype, mapping, [op], {key: (0, keepdims)})
+    meta = get_device(source.device).meta(len(chunks), dtype)
+    out = _array_class()(chain_graph(name, chain), name, chunks, meta=meta)
     # Its compute() on a local scheduler with no callback runs this chain without dask (``run_stream``);
     # dask.compute, callbacks (progress bars, the prefetcher) and clusters run the graph.
-    out._gl_stream_of = (groups, source, base.chunks, base.dtype, op, axis, ddof, cast, keepdims, mapping)
+    out._gl_stream_of = chain
     return out
 
 
@@ -972,8 +980,6 @@ def _streamed_histogram(arr: Any, dasks: tuple, args: tuple, kwargs: dict) -> An
     import inspect
 
     from dask.base import is_dask_collection, tokenize
-
-    from gpulazy.read.reduce import Chain, chain_graph, groups_of
 
     try:
         given = inspect.signature(np.histogram).bind(*args, **kwargs).arguments
@@ -987,18 +993,10 @@ def _streamed_histogram(arr: Any, dasks: tuple, args: tuple, kwargs: dict) -> An
             or 0 in arr.shape or _distributed_client_active()):
         return None
     bins = bins if np.ndim(bins) == 0 else np.asarray(bins)
-    counts = dasks[0]
-    specs, source, mapping = files
     op = ("histogram", bins, None if limits is None else tuple(limits))
-    axis = tuple(range(arr.ndim))
     name = "histogram-streamed-" + tokenize(base.name, bins, op[2], None if cast is None else str(cast))
-    groups = groups_of(specs)
-    key = (name, 0)
-    chain = Chain(specs, groups, source, base.chunks, base.dtype, mapping, [(op, axis, 0, cast)], {key: (0, False)})
-    out = _array_class()(chain_graph(name, chain), name, counts.chunks,
-                         meta=get_device(source.device).meta(1, counts.dtype))
-    out._gl_stream_of = (groups, source, base.chunks, base.dtype, op, axis, 0, cast, False, mapping)
-    return out
+    return _chain_array(name, base, files, (op, tuple(range(arr.ndim)), 0, cast), (name, 0), False,
+                        dasks[0].chunks, dasks[0].dtype)
 
 
 #: ``map_blocks`` keywords that are dask's, not the function's.

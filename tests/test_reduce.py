@@ -207,6 +207,11 @@ def test_np_histogram_is_dask_s_for_density_and_weights(tmp_path):
     density, _ = np.histogram(vol, bins=4, range=(0, 40), density=True)
     assert "streamed" not in density.name
     np.testing.assert_allclose(density.compute(), np.histogram(data, bins=4, range=(0, 40), density=True)[0])
+    weighted, _ = np.histogram(vol, bins=4, range=(0, 40), weights=vol)
+    assert "streamed" not in weighted.name
+    np.testing.assert_array_equal(weighted.compute(), np.histogram(data, bins=4, range=(0, 40), weights=data)[0])
+    counted, _ = np.histogram(vol, bins=4, range=(0, 40))  # (beside them, the plain count streams)
+    assert "streamed" in counted.name
     with pytest.raises(ValueError, match="range"):  # dask's own error: it needs the range to be lazy
         np.histogram(vol, bins=4)
 

@@ -15,16 +15,16 @@ algorithm, so
 - ``gzip``: a 10-byte header with optional FEXTRA/FNAME/FCOMMENT/FHCRC fields, raw
   Deflate, and an 8-byte CRC-32 + size trailer.
 
-Before nvCOMP sees a piece, the size its framing declares (zstd content size, lz4
-prefix, gzip ISIZE) must be the expected one: ``gpulazy.codecs._frames``, the same check
-the host decoders make. A piece whose framing is not the plain form (a zstd dictionary,
-a preset zlib dictionary, a gzip header longer than what was fetched), declares another
-size (or, a zstd frame, none: nvCOMP does not stop at its output's end), or whose stream does not end exactly at the piece's end (a zstd frame's block
-headers, an LZ4 block's sequences, walked by one GPU thread per piece) is not sent to
-nvCOMP: it is returned in ``Decoded.host`` for the caller to decode on the host, which
-either decodes it or raises the error that names the file. The same goes for pieces
-nvCOMP reports failing or decoding to a size other than the expected one, and for a whole
-batch nvCOMP refuses.
+Before nvCOMP sees a piece, the size its framing declares (zstd content size, lz4 prefix,
+gzip ISIZE) must be the expected one: ``gpulazy.codecs._frames``, the same check the host
+decoders make. A piece whose framing is not the plain form (a zstd dictionary, a preset zlib
+dictionary, a gzip header longer than what was fetched), declares another size (or, a zstd
+frame, none: nvCOMP does not stop at its output's end), or whose stream does not end exactly
+at the piece's end (a zstd frame's block headers, an LZ4 block's sequences, walked by one
+GPU thread per piece) is not sent to nvCOMP: it is returned in ``Decoded.host`` for the
+caller to decode on the host, which either decodes it or raises the error that names the
+file. The same goes for pieces nvCOMP reports failing or decoding to a size other than the
+expected one, and for a whole batch nvCOMP refuses.
 
 What nvCOMP 6.0 does with bad input, probed on an H100 (``benchmarks/bench_codecs.py
 --probe``): Deflate reports the bytes it actually decoded (a garbled stream 0, a

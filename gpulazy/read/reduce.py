@@ -110,7 +110,8 @@ class ReduceStream:
     result.
     """
 
-    def __init__(self, groups: list, source: Any, chunks: tuple, dtype: Any, ops: list[tuple], mapping: tuple | None = None):
+    def __init__(self, groups: list, source: Any, chunks: tuple, dtype: Any, ops: list[tuple],
+                 mapping: tuple | None = None):
         from gpulazy import config
 
         self.groups, self.source, self.chunks, self.ops = groups, source, chunks, ops
@@ -315,27 +316,27 @@ def stream_result(stream: ReduceStream, keepdims: bool, which: int = 0) -> Any:
     return stream.result(keepdims, which)
 
 
-def run_stream(groups: list, source: Any, chunks: tuple, dtype: Any, op: str, axis: tuple[int, ...], ddof: int,
-               cast: Any, keepdims: bool, mapping: tuple | None = None, threaded: bool = False) -> Any:
-    """The whole chain (start, each step, the result) in the calling thread, as a local compute with
+def run_stream(chain: Chain, threaded: bool = False) -> Any:
+    """The whole ``chain`` (start, each step, its one result) in the calling thread, as a local compute with
     no dask callback runs it: through dask (its optimising, ordering and a thread hand-off per task)
     the first read of a 2 GiB Zarr's MIP was submitted 3.2-4.2 ms after ``compute()`` on the CPU box,
     here 0.34-0.56 ms (``benchmarks/read_timeline.py --first``). An interrupt or a failure settles
     the reads in flight before it propagates, as a failing step does. ``threaded`` (dask's threaded
     scheduler): a map's function runs on ``num_workers`` threads on ``"cpu"``, as dask's tasks would
     (``mapped.workers``)."""
-    stream = stream_start(groups, source, chunks, dtype, op, axis, ddof, cast, mapping)
+    stream = ReduceStream(chain.groups, chain.source, chain.chunks, chain.dtype, chain.ops, chain.mapping)
     if stream.blocks is not None:
         stream.blocks.use_threads(threaded)
     try:
-        for k in range(len(groups)):
+        for k in range(len(chain.groups)):
             stream.step(k)
     except BaseException:
         stream._settle()
         raise
     finally:
         stream.close()
-    return stream.result(keepdims)
+    ((which, keepdims),) = chain.results.values()
+    return stream.result(keepdims, which)
 
 
 #: Reduced axes spanning at most this many slices fold slice by slice (``_Accumulator._planes``).
@@ -625,7 +626,8 @@ def share_reads(hlg: Any) -> Any:
             continue
         ops, places = [], []
         for name, chain in bucket:
-            places.append((name, {key: (len(ops) + which, keepdims) for key, (which, keepdims) in chain.results.items()}))
+            results = chain.results.items()
+            places.append((name, {key: (len(ops) + which, keepdims) for key, (which, keepdims) in results}))
             ops.extend(chain.ops)
         shared = "shared-streamed-" + tokenize(*(name for name, _ in bucket))
         steps = _chain_tasks(shared, bucket[0][1]._replace(ops=ops, results={}))

@@ -26,8 +26,9 @@ import numpy as np
 from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_region", "read_picks", "runs", "read_all", "read_in_order", "part_of", "groups_by_bytes", "iter_groups",
-           "held_bytes", "inflight_room", "settle_later", "settle_pool", "settle_slots", "settlers", "stream_calls",
+__all__ = ["read_whole", "read_region", "read_picks", "runs", "read_all", "read_in_order", "part_of",
+           "groups_by_bytes", "iter_groups", "held_bytes", "inflight_room", "settle_later", "settle_pool",
+           "settle_slots", "settlers", "stream_calls",
            "GROUP", "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
 
 GROUP = 256 << 20
@@ -183,8 +184,8 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
                         view = target[dst + (Ellipsis,)]
                         if not (cache is not None and _hit(cache, spec, view)):
                             yield spec, view
-                    elif cache is None or cache.visit(
-                            [spec], lambda spec, entry, src=src, place=(target, dst): copy_hit(spec, entry, src, place)):
+                    elif cache is None or cache.visit([spec], lambda spec, entry, src=src, place=(target, dst):
+                                                      copy_hit(spec, entry, src, place)):
                         cut.append((spec, src, (target, dst)))  # else cached: its part copied straight out of it
 
         def parts():

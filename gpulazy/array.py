@@ -626,11 +626,13 @@ def _read_names(arr: Any) -> tuple[str, ...]:
 
 
 def _map_of(arr: Any) -> tuple | None:
-    """``arr``'s streamed map (``_gl_map_of``) when it is one, not changed in place; a box's is made on
-    first use (``_box_as_map``: a box's own ``compute()`` needs none)."""
+    """``arr``'s streamed map (``_gl_map_of``) when it is one, not changed in place; a box's or a list of
+    planes' is made on first use (``_box_as_map``, ``_pick_as_map``: their own ``compute()`` needs none)."""
     mapped = getattr(arr, "_gl_map_of", None)
     if mapped is None and getattr(arr, "_gl_box_of", None) is not None:
         mapped = arr._gl_map_of = _box_as_map(arr)
+    elif mapped is None and getattr(arr, "_gl_pick_of", None) is not None:
+        mapped = arr._gl_map_of = _pick_as_map(arr)
     return mapped if mapped is not None and mapped[0] == arr.name else None
 
 
@@ -641,33 +643,61 @@ def _box_as_map(box: Any) -> tuple | None:
     chunks from the last and flips each), so its reductions, maps and elementwise operations (and a
     strided box's ``compute()``) stream as a map's do. ``None`` where dask's blocks of it are not one a
     chunk met."""
-    from gpulazy.read.whole import part_of
-
     base, region, steps, dropped = box._gl_box_of
     met = [_along(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, base.chunks)]
     kept = [a for a in range(base.ndim) if a not in dropped]
     flip = tuple(slice(None, None, -1 if steps[a] < 0 else 1) for a in kept) if min(steps) < 0 else None
-    if tuple(tuple(n for _, _, n in axis) for a, axis in enumerate(met) if a not in dropped) != box.chunks:
+    return _cuts_as_map(box, base, met, dropped, flip)
+
+
+def _pick_as_map(view: Any) -> tuple | None:
+    """A list of planes (``_pick``) as a streamed map, as a box is (``_box_as_map``): its block ``i`` is
+    the ``i``-th run of neighbouring positions' part of a chunk, so ``vol[[3, 9, 27]].max(axis=0)``
+    streams and reads those planes alone where the chunks are stored as is."""
+    base, axis, positions, region, dropped = view._gl_pick_of
+    return _cuts_as_map(view, base, _pick_met(base, axis, positions, region), dropped, None, once=True,
+                        planes_only=axis == 0)
+
+
+def _cuts_as_map(view: Any, base: Any, met: list, dropped: tuple[int, ...], flip: tuple | None,
+                 once: bool = False, planes_only: bool = False) -> tuple | None:
+    """``view`` of ``base`` (its files' array) as a streamed map whose blocks are, along each axis, the
+    chunks ``met`` lists (``(chunk, its slice, elements)``) and their parts; ``None`` where those are not
+    ``view``'s blocks, or, with ``once``, where two blocks would read a chunk, or one part of it, each
+    (``planes_only``: blocks whose parts are their own planes alone may share them)."""
+    from gpulazy.read.whole import part_of
+
+    if tuple(tuple(n for _, _, n in axis) for a, axis in enumerate(met) if a not in dropped) != view.chunks:
         return None
     specs, cuts = {}, {}
     source = base._gl_source
     cache = source.cache_instance()
+    read: set[str] = set()  # (``once``) what the blocks read
     for picks in itertools.product(*(list(enumerate(axis)) for axis in met)):
         new = tuple(j for a, (j, _) in enumerate(picks) if a not in dropped)
         spec = base._gl_specs[tuple(i for _, (i, _, _) in picks)]
         cut = tuple(c for _, (_, c, _) in picks)
-        # Cut along axis 0, a chunk stored as is reads the planes the box needs alone, and a zstd chunk
-        # the box ends inside decodes its planes up to the box's end from a head of its stored bytes
+        # Cut along axis 0, a chunk stored as is reads the planes the view needs alone, and a zstd chunk
+        # the view ends inside decodes its planes up to the view's end from a head of its stored bytes
         # (as ``read_region``; not with ``verify``: checksums cover whole chunks), unless the cache holds
         # the chunk now (the map is made as the computation is built); same bytes, same key.
-        first, part = 0, None
+        part = None
         if not source.verify and not (cache is not None and (spec in cache or cache.holds(spec))):
-            first, part = part_of(spec, cut[0])
+            rows, part = part_of(spec, cut[0])
+        leading = part.leading(0, 1) is not None if part is not None else spec.leading(0, 1) is not None
+        if once and not (leading and planes_only):
+            # Two blocks of a list reading a chunk whole, or from heads (its runs in a compressed chunk),
+            # or the same part of it (its blocks along a later axis) would read it once a block: dask's
+            # graph, which reads each chunk once, is kept instead. (A plane listed twice is read twice.)
+            key = part.key if leading and part is not None else spec.key
+            if key in read:
+                return None
+            read.add(key)
         if part is not None:
-            spec, cut = part, (slice(cut[0].start - first, cut[0].stop - first, cut[0].step),) + cut[1:]
+            spec, cut = part, (rows,) + cut[1:]
         specs[new] = spec.at(new)
         cuts[new] = tuple(c.start if a in dropped else c for a, c in enumerate(cut))
-    return box.name, specs, source, box.chunks, _Cut(cuts, flip), {}, (box.name,)
+    return view.name, specs, source, view.chunks, _Cut(cuts, flip), {}, (view.name,)
 
 
 def _along(lo: int, hi: int, step: int, chunks: tuple[int, ...]) -> list[tuple[int, slice, int]]:
@@ -1149,11 +1179,7 @@ def _pick(arr: Any, axis: int, positions: tuple[int, ...], region: tuple, droppe
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 
-    from gpulazy.read.whole import runs
-
-    edges = [list(itertools.accumulate(c, initial=0)) for c in arr.chunks]
-    met = [[piece for _, first, n in runs(positions) for piece in _span(first, first + n, ends)] if a == axis
-           else _span(lo, hi, ends) for a, ((lo, hi), ends) in enumerate(zip(region, edges))]
+    met = _pick_met(arr, axis, positions, region)
     name = "pick-" + tokenize(arr.name, axis, positions, region, dropped)
     layer = {}
     for pieces in itertools.product(*(list(enumerate(along)) for along in met)):
@@ -1165,6 +1191,16 @@ def _pick(arr: Any, axis: int, positions: tuple[int, ...], region: tuple, droppe
     view = _array_class()(graph, name, chunks, meta=meta_from_array(arr._meta, ndim=len(chunks)))
     view._gl_pick_of = (arr, axis, positions, region, dropped)
     return view
+
+
+def _pick_met(arr: Any, axis: int, positions: tuple[int, ...], region: tuple) -> list[list[tuple[int, slice, int]]]:
+    """``_met`` of a list of planes (``_pick``) along each axis: along ``axis`` the chunks each run of
+    neighbouring positions meets, in the list's order; along the others the box's."""
+    from gpulazy.read.whole import runs
+
+    edges = [list(itertools.accumulate(c, initial=0)) for c in arr.chunks]
+    return [[piece for _, first, n in runs(positions) for piece in _span(first, first + n, ends)] if a == axis
+            else _span(lo, hi, ends) for a, ((lo, hi), ends) in enumerate(zip(region, edges))]
 
 
 def _span(lo: int, hi: int, edges: list[int]) -> list[tuple[int, slice, int]]:

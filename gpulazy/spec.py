@@ -306,26 +306,34 @@ class ChunkSpec:
         return ChunkSpec(self.ranges, self.shape, self.dtype, self.order, self.codec, self.identity, tuple(index),
                          self.tiles, self.fill_value, self.whole, _key=self.key)
 
-    def leading(self, start: int, stop: int) -> ChunkSpec | None:
-        """Slices ``[start, stop)`` of the chunk along axis 0 as a chunk of their own (their bytes
+    def leading(self, start: int, stop: int, step: int = 1) -> ChunkSpec | None:
+        """Slices ``start:stop:step`` of the chunk along axis 0 as a chunk of their own (their bytes
         only), or ``None`` when the chunk's bytes are not stored as is in C order (decoded, ``"F"``).
 
-        For a read that needs part of a chunk (a box off the chunk boundaries): the part's bytes
-        are one span of the chunk's bytes, or of each stored piece it is made of (uncompressed
-        Zarr chunks gathered into one chunk). The part has a key of its own.
+        For a read that needs part of a chunk (a box off the chunk boundaries, every fourth plane):
+        each plane's bytes are one span of the chunk's bytes, or of each stored piece it is made of
+        (uncompressed Zarr chunks gathered into one chunk), so the part reads those planes alone,
+        ``vol[::4]`` of a folder of TIFF planes a quarter of its files. The part has a key of its own.
 
         >>> c = ChunkSpec((ByteRange("a", 0, 6), ByteRange("b", 10, 10)), (4, 2), "<u2", index=(3, 0))
         >>> c.leading(1, 3).ranges, c.leading(1, 3).shape, c.leading(1, 3).index
         ((ByteRange(path='a', offset=4, nbytes=2), ByteRange(path='b', offset=10, nbytes=6)), (2, 2), (3, 0))
+        >>> c.leading(0, 4, 2).ranges, c.leading(0, 4, 2).shape
+        ((ByteRange(path='a', offset=0, nbytes=4), ByteRange(path='b', offset=12, nbytes=4)), (2, 2))
         """
-        if self.codec is not None or self.order != "C" or not self.shape or not 0 <= start < stop <= self.shape[0]:
+        if (self.codec is not None or self.order != "C" or not self.shape or not 0 <= start < stop <= self.shape[0]
+                or step < 1):
             return None
+        planes = range(start, stop, step)
         itemsize = np.dtype(self.dtype).itemsize
-        shape = (stop - start,) + tuple(self.shape[1:])
+        shape = (len(planes),) + tuple(self.shape[1:])
+        key = _part_key(self.key, "leading", start, stop) if step == 1 else \
+            _part_key(self.key, "leading", planes.start, planes[-1] + 1, step)
         if not self.tiles:
-            step = self.out_nbytes // self.shape[0]
-            return ChunkSpec(_span(self.ranges, start * step, stop * step), shape, self.dtype, "C",
-                             identity=self.identity, index=self.index, _key=_part_key(self.key, "leading", start, stop))
+            plane = self.out_nbytes // self.shape[0]
+            runs = [(start, stop)] if step == 1 else [(p, p + 1) for p in planes]
+            return ChunkSpec(tuple(r for a, b in runs for r in _span(self.ranges, a * plane, b * plane)), shape,
+                             self.dtype, "C", identity=self.identity, index=self.index, _key=key)
         tiles = []
         steps: dict[tuple[int, ...], int] = {}  # bytes a plane, per tile shape: the tiles share one or two
         for t in self.tiles:
@@ -339,13 +347,19 @@ class ChunkSpec:
                 return None  # not the tile's elements as is
             o = t.origin[0]
             a, b = max(start, o) - o, min(stop, o + t.shape[0]) - o
+            if step > 1:  # the tile's first plane the step takes, and how many it takes
+                a = o + a + (-(o + a - start) % step) - o
             if a >= b:
                 continue
-            sub = None if r is None else ByteRange(r.path, r.offset + a * plane, (b - a) * plane)
-            tiles.append(Tile(sub, (b - a,) + tuple(t.shape[1:]), (o + a - start,) + tuple(t.origin[1:]), "C"))
+            count = -(-(b - a) // step)
+            runs = [(a, b, (o + a - start) // step)] if step == 1 else \
+                [(a + k * step, a + k * step + 1, (o + a - start) // step + k) for k in range(count)]
+            for lo, hi, at in runs:
+                sub = None if r is None else ByteRange(r.path, r.offset + lo * plane, (hi - lo) * plane)
+                tiles.append(Tile(sub, (hi - lo,) + tuple(t.shape[1:]), (at,) + tuple(t.origin[1:]), "C"))
         ranges = tuple(t.range for t in tiles if t.range is not None)
         return ChunkSpec(ranges, shape, self.dtype, "C", identity=self.identity, index=self.index, tiles=tuple(tiles),
-                         fill_value=self.fill_value, _key=_part_key(self.key, "leading", start, stop))
+                         fill_value=self.fill_value, _key=key)
 
     def head(self, start: int, stop: int) -> tuple[int, ChunkSpec] | None:
         """For a read of slices ``[start, stop)`` along axis 0 that ends inside a zstd chunk: ``(first,

@@ -772,7 +772,7 @@ def test_a_box_submits_its_whole_chunks_before_working_out_the_parts_it_cuts(tmp
     vol = _vol(tmp_path, data, (16, 6, 5))  # a box [3:35] cuts chunks 0 and 2, holds chunk 1
     made, submitted = [], []
     real_leading, real_start = ChunkSpec.leading, engine.start
-    monkeypatch.setattr(ChunkSpec, "leading", lambda self, a, b: made.append(self.index) or real_leading(self, a, b))
+    monkeypatch.setattr(ChunkSpec, "leading", lambda self, a, b, step=1: made.append(self.index) or real_leading(self, a, b, step))
     monkeypatch.setattr(engine, "start", lambda specs, *a, **k: submitted.append(
         ([s.index for s in specs], len(made))) or real_start(specs, *a, **k))
     monkeypatch.setattr(whole, "GROUP", 1)  # a submission per chunk
@@ -1139,3 +1139,71 @@ def test_a_list_of_planes_reads_only_them_and_each_chunk_it_cuts_once(tmp_path, 
     part = vol[[3, 4, 20, 39, 38]]
     assert part.chunks[0] == (2, 1, 1, 1) and len(part.__dask_graph__()) > 4
     np.testing.assert_array_equal(to_host(dask.compute(part)[0]), data[[3, 4, 20, 39, 38]])
+
+
+@given(layout=picks(), op=st.sampled_from(["max0", "sum", "mean", "times2", "map_max"]), zarr_store=st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_what_is_computed_from_a_list_of_planes_equals_dask_and_streams_where_they_read_alone(
+        tmp_path_factory, layout, op, zarr_store):
+    """``vol[[3, 9, 27]].max(axis=0)``: a list along axis 0 of chunks stored as is streams (a map of its
+    runs' parts, ``_pick_as_map``) and reads its planes alone; where two of its blocks would read the same
+    bytes (runs in one compressed chunk, a list along a later axis) dask's graph is kept. Values as dask's."""
+    import dask.array as da
+
+    shape, chunks, index = layout
+    data = np.random.default_rng(4).integers(0, 60000, shape).astype("<u2")
+    made = {"max0": lambda v: v.max(axis=0), "sum": lambda v: v.sum(), "mean": lambda v: v.mean(),
+            "times2": lambda v: v * 2, "map_max": lambda v: v.map_blocks(lambda b: b + 1).max()}[op]
+    picked = da.from_array(data, chunks=chunks)[index]
+    assume(picked.size > 1 and picked.ndim > 0)
+    want = made(picked).compute()
+    tmp = tmp_path_factory.mktemp("pm")
+    if zarr_store:
+        vol = gpulazy.from_files(zstd_zarr(tmp / "v.zarr", data, chunks), device="cpu", cache=False)
+    else:
+        vol = _vol(tmp, data, chunks)
+    r = made(vol[index])
+    before = gpulazy.stats().snapshot()["bytes_read"]
+    got = r.compute(scheduler="sync")
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    along_0 = isinstance(index[0], (list, np.ndarray))
+    if along_0 and not zarr_store:
+        assert r.compute_path == "fast"
+        rows = np.flatnonzero(index[0]) if np.asarray(index[0]).dtype == bool else np.asarray(index[0]) % shape[0]
+        # each plane picked read, whatever the later axes cut of it (``leading``), as often as it is picked
+        later = [(s.start, s.stop) if isinstance(s, slice) else (s % n, s % n + 1)
+                 for s, n in zip(index[1:], shape[1:])]
+        extent = 1
+        for (a, b), n, c in zip(later, shape[1:], chunks[1:]):
+            extent *= min(n, -(-b // c) * c) - a // c * c
+        assert gpulazy.stats().snapshot()["bytes_read"] - before <= len(rows) * extent * 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_step_or_a_list_of_planes_reads_those_planes_alone(tmp_path, device):
+    """Every fourth plane of chunks stored as is reads a quarter of them (``ChunkSpec.leading`` with a
+    step), its reductions too; a list of planes' reductions read the planes alone. A zstd Zarr's chunks
+    decode whole (or from heads): same values."""
+    data = np.random.default_rng(8).integers(0, 999, (40, 6, 5)).astype("<u2")
+    vol = _vol(tmp_path, data, (16, 6, 5), device=device)
+    zvol = gpulazy.from_files(zstd_zarr(tmp_path / "z.zarr", data, (16, 6, 5)), device=device, cache=False)
+    plane = 6 * 5 * 2
+    for make, nbytes in ((lambda v: v[::4], 10 * plane), (lambda v: v[::4].max(axis=0), 10 * plane),
+                         (lambda v: v[1::3, 2:4].sum(), 13 * plane), (lambda v: v[::-5], 8 * plane),
+                         (lambda v: v[[3, 9, 27]].max(axis=0), 3 * plane),
+                         (lambda v: v[[3, 4, 20, 3]].astype("f8").mean(), 4 * plane),  # (3 twice)
+                         (lambda v: v[[30, 2]] * 2, 2 * plane)):
+        want = make(da_from(data)).compute()
+        before = gpulazy.stats().snapshot()["bytes_read"]
+        r = make(vol)
+        got = r.compute()
+        assert r.compute_path == "fast"
+        np.testing.assert_allclose(to_host(got), want)
+        assert gpulazy.stats().snapshot()["bytes_read"] - before == nbytes
+        np.testing.assert_allclose(to_host(make(zvol).compute()), want)
+
+
+def da_from(data):
+    import dask.array as da
+
+    return da.from_array(data, chunks=(16, 6, 5))

@@ -189,14 +189,31 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
                         cut.append((spec, src, (target, dst)))  # else cached: its part copied straight out of it
 
         def parts():
-            """What is read of each chunk a box cuts: the part it needs, or all of it."""
-            for spec, src, (target, dst) in cut:
-                first, part = part_of(spec, src[0]) if not source.verify else (0, None)
-                src = (slice(src[0].start - first, src[0].stop - first),) + src[1:]
-                if part is not None and part.shape == tuple(s.stop - s.start for s in src):
-                    yield part, target[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
-                else:
-                    part = part or spec
+            """What is read of each chunk a box cuts: the part it needs, or all of it. A chunk several
+            boxes cut (planes of a list) whose bytes are not stored as is gives one part for all of
+            them, read once: the planes up to the last one's from a head, or the whole chunk, where a
+            part each would decode its first planes again for every box."""
+            by_chunk: dict[str, list[tuple]] = {}
+            for entry in cut:
+                by_chunk.setdefault(entry[0].key, []).append(entry)
+            for entries in by_chunk.values():
+                spec = entries[0][0]
+                shared = None
+                if len(entries) > 1 and not source.verify and spec.leading(0, 1) is None:
+                    lo, hi = min(src[0].start for _, src, _ in entries), max(src[0].stop for _, src, _ in entries)
+                    rows, part = part_of(spec, slice(lo, hi))
+                    shared = (part or spec, rows.start - lo)
+                for spec, src, (target, dst) in entries:
+                    if shared is not None:
+                        part, shift = shared
+                        src = (slice(src[0].start + shift, src[0].stop + shift),) + src[1:]
+                    else:
+                        rows, part = part_of(spec, src[0]) if not source.verify else (src[0], None)
+                        src = (rows,) + src[1:]
+                        if part is not None and part.shape == tuple(s.stop - s.start for s in src):
+                            yield part, target[dst + (Ellipsis,)]  # its bytes alone, or its planes from a head
+                            continue
+                        part = part or spec
                     seen = part.key in cuts
                     cuts.setdefault(part.key, []).append((src, (target, dst)))
                     if not seen:
@@ -246,20 +263,25 @@ def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:
     return True
 
 
-def part_of(spec: ChunkSpec, rows: slice) -> tuple[int, ChunkSpec | None]:
-    """``(first, part)``: what to read of ``spec`` for its planes ``rows.start`` to ``rows.stop`` along axis
-    0, as a chunk of its own holding the chunk's planes from ``first`` on: those planes alone when its
-    bytes are stored as is (``ChunkSpec.leading``: a plane of a Zarr chunk of 64 is 1/64 of its bytes,
-    whatever is cut along the later axes), else the planes up to ``rows.stop`` decoded from a head of a
-    zstd chunk's stored bytes (``ChunkSpec.head``); ``(0, None)``: the whole chunk. For a box's read
-    (``read_region``) and a box's streamed map (``array._box_as_map``); not with ``verify`` (checksums
-    cover whole chunks)."""
-    if rows.start == 0 and rows.stop == spec.shape[0]:
-        return 0, None
-    part = spec.leading(rows.start, rows.stop)
+def part_of(spec: ChunkSpec, rows: slice) -> tuple[slice, ChunkSpec | None]:
+    """``(rows in it, part)``: what to read of ``spec`` for its planes ``rows`` (``start:stop:step``, a
+    positive step) along axis 0, as a chunk of its own, and which of its planes ``rows`` are: those
+    planes alone when its bytes are stored as is (``ChunkSpec.leading``: a plane of a Zarr chunk of
+    64 is 1/64 of its bytes, whatever is cut along the later axes; every fourth plane a quarter), else
+    the planes up to ``rows.stop`` decoded from a head of a zstd chunk's stored bytes
+    (``ChunkSpec.head``); ``(rows, None)``: the whole chunk. For a box's read (``read_region``) and a
+    box's streamed map (``array._box_as_map``); not with ``verify`` (checksums cover whole chunks)."""
+    start, stop, step = rows.indices(spec.shape[0])
+    if start == 0 and stop == spec.shape[0] and step == 1:
+        return rows, None
+    part = spec.leading(start, stop, step)
     if part is not None:
-        return rows.start, part
-    return spec.head(rows.start, rows.stop) or (0, None)
+        return slice(0, part.shape[0]), part
+    head = spec.head(start, stop)
+    if head is None:
+        return rows, None
+    first, part = head
+    return slice(start - first, stop - first, step), part
 
 
 def _overlap(index: tuple, edges: list, region: tuple) -> tuple[tuple, tuple, bool]:

@@ -9,7 +9,10 @@ The reads (all on ``device="cpu"``):
   checksum manifest written over the pristine files (one block per file);
 - ``planes``: ``from_files(path, cache=False)[[n - 1, 0, n // 2, n // 2 + 1, n - 1]].compute()``, a
   list of planes (boxes cutting chunks: parts read alone, heads of zstd chunks), judged against the
-  same planes of the reference.
+  same planes of the reference;
+- ``step``: ``from_files(path, cache=False)[1::2].compute()``, every other plane (a streamed map of the
+  chunks' parts: the planes alone of chunks stored as is, ``ChunkSpec.leading`` with a step), judged
+  against the same planes of the reference.
 
 The rule for each: EITHER data equal to what the format's reference reader reads from
 the mutated files (where it rejects them: equal to the pristine data, i.e. nothing the
@@ -171,14 +174,25 @@ def read_planes(sample: Sample):
     return _compute(_open(sample, cache=False), pick)
 
 
+def _every_other(n: int) -> slice:
+    """The planes a ``step`` read takes of ``n``: every other one from the second (from the first of one)."""
+    return slice(1 if n > 1 else 0, None, 2)
+
+
+def read_step(sample: Sample):
+    def step(v):
+        return v[_every_other(v.shape[0])].compute() if v.ndim and v.shape[0] else v.compute()
+    return _compute(_open(sample, cache=False), step)
+
+
 def picked(read: str, arr: np.ndarray) -> np.ndarray | None:
     """What ``read`` reads of ``arr`` (a reference, the pristine data): all of it, or its planes."""
-    if read != "planes" or not arr.ndim or not arr.shape[0]:
+    if read not in ("planes", "step") or not arr.ndim or not arr.shape[0]:
         return arr
-    return arr[_planes(arr.shape[0])]
+    return arr[_planes(arr.shape[0])] if read == "planes" else arr[_every_other(arr.shape[0])]
 
 
-READS = {"whole": read_whole, "dask": read_dask, "verify": read_verify, "planes": read_planes}
+READS = {"whole": read_whole, "dask": read_dask, "verify": read_verify, "planes": read_planes, "step": read_step}
 
 
 class Huge:

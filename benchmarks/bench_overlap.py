@@ -7,7 +7,8 @@ same bytes, then times, each beside its naive and raw equivalents in the same ru
 - one big file and the many plane files, ``from_files(...).compute()``, and the planes' ``persist()``
   (beside dask's own ``dask.persist``);
 - a maximum-intensity projection ``planes.max(axis=0)``, its depth map ``planes.argmax(axis=0)``, a slice ``planes[:half]`` (on chunk
-  boundaries: the fast path), one off them ``planes[1:half + 1]``, every fourth plane as a list, ``big.astype("f8").sum()``
+  boundaries: the fast path), one off them ``planes[1:half + 1]``, every fourth plane as a list (and the MIP of
+  every fourth plane, as a step and as a list), ``big.astype("f8").sum()``
   and ``planes.mean()``; with ``--read-ahead 0,1GiB,4GiB`` (and/or ``--batch-size LIST``) these
   derived rows again under each ``gpulazy.config.set(read_ahead=...)`` (``batch_size=...``);
 - the whole read, the MIP and ``map_blocks(b * 2)`` with a callback active (gpulazy's and dask's
@@ -180,6 +181,16 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
                                                   lambda: raw([paths[i] for i in every4], plane_bytes),
                                                   lambda: naive[every4].compute(), len(every4) * plane_bytes,
                                                   "planes compute()"),
+        # What is computed from every fourth plane, as a step or as a list: a streamed map of the planes'
+        # parts of their chunks (``ChunkSpec.leading`` with a step), those planes alone read.
+        "[::4].max(axis=0)": (lambda: vol[::4].max(axis=0).compute(),
+                              lambda: _planes_of(raw, [paths[i] for i in every4], plane_bytes, vol).max(axis=0),
+                              lambda: naive[::4].max(axis=0).compute(), len(every4) * plane_bytes,
+                              "planes compute()"),
+        "[every 4th plane as a list].max(axis=0)": (
+            lambda: vol[every4].max(axis=0).compute(),
+            lambda: _planes_of(raw, [paths[i] for i in every4], plane_bytes, vol).max(axis=0),
+            lambda: naive[every4].max(axis=0).compute(), len(every4) * plane_bytes, "planes compute()"),
         "astype(f8).sum()": (lambda: big.astype("f8").sum().compute(), lambda: rawv().astype("f8").sum(),
                              lambda: naive.astype("f8").sum().compute(), total, "one file compute()"),
         "mean()": (lambda: vol.mean().compute(), lambda: rawv().mean(), lambda: naive.mean().compute(), total,
@@ -206,6 +217,11 @@ def _derived_rows(vol: Any, big: Any, naive: Any, rawv: Callable, raw: Callable,
             lambda: (quarters[0] + quarters[1] + quarters[2] + quarters[3]).max(axis=0).compute(), raw_quarters,
             naive_quarters, 4 * q * plane_bytes, "planes compute()"),
     }
+
+
+def _planes_of(raw: Callable, paths: list[str], plane_bytes: int, vol: Any) -> Any:
+    """The planes of ``paths`` read by raw KvikIO, as an array of ``vol``'s planes."""
+    return raw(paths, plane_bytes).view(np.uint16).reshape(len(paths), *vol.shape[1:])
 
 
 def _twice(block: Any) -> Any:

@@ -13,7 +13,8 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overlap.py"
 sys.path.insert(0, str(BENCH.parent))  # the benchmarks import as modules, as test_bench_cache does
-DERIVED = ["MIP max(axis=0)", "dask.compute(min(), max())", "np.histogram(bins=256)", "argmax(axis=0)", "[1:half+1] compute()", "[every 4th plane as a list] compute()", "astype(f8).sum()", "mean()", "map_blocks(b * 2)",
+DERIVED = ["MIP max(axis=0)", "dask.compute(min(), max())", "np.histogram(bins=256)", "argmax(axis=0)", "[1:half+1] compute()", "[every 4th plane as a list] compute()", "[::4].max(axis=0)",
+           "[every 4th plane as a list].max(axis=0)", "astype(f8).sum()", "mean()", "map_blocks(b * 2)",
            "(a - b).max(axis=0), two arrays", "(a + b + c + d).max(axis=0), four arrays"]
 
 

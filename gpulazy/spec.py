@@ -12,7 +12,7 @@ import hashlib
 import math
 import os
 from dataclasses import InitVar, dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -307,13 +307,7 @@ class ChunkSpec:
                          self.tiles, self.fill_value, self.whole, _key=self.key)
 
     def leading(self, start: int, stop: int, step: int = 1) -> ChunkSpec | None:
-        """Slices ``start:stop:step`` of the chunk along axis 0 as a chunk of their own (their bytes
-        only), or ``None`` when the chunk's bytes are not stored as is in C order (decoded, ``"F"``).
-
-        For a read that needs part of a chunk (a box off the chunk boundaries, every fourth plane):
-        each plane's bytes are one span of the chunk's bytes, or of each stored piece it is made of
-        (uncompressed Zarr chunks gathered into one chunk), so the part reads those planes alone,
-        ``vol[::4]`` of a folder of TIFF planes a quarter of its files. The part has a key of its own.
+        """Slices ``start:stop:step`` of the chunk along axis 0 as a chunk of their own (``planes``).
 
         >>> c = ChunkSpec((ByteRange("a", 0, 6), ByteRange("b", 10, 10)), (4, 2), "<u2", index=(3, 0))
         >>> c.leading(1, 3).ranges, c.leading(1, 3).shape, c.leading(1, 3).index
@@ -321,19 +315,43 @@ class ChunkSpec:
         >>> c.leading(0, 4, 2).ranges, c.leading(0, 4, 2).shape
         ((ByteRange(path='a', offset=0, nbytes=4), ByteRange(path='b', offset=12, nbytes=4)), (2, 2))
         """
-        if (self.codec is not None or self.order != "C" or not self.shape or not 0 <= start < stop <= self.shape[0]
-                or step < 1):
+        if not self.shape or not 0 <= start < stop <= self.shape[0] or step < 1:
             return None
-        planes = range(start, stop, step)
+        return self.planes(range(start, stop, step))
+
+    def planes(self, rows: Sequence[int]) -> ChunkSpec | None:
+        """Planes ``rows`` of the chunk along axis 0 (in that order, repeats too) as a chunk of their own
+        (their bytes only), or ``None`` when the chunk's bytes are not stored as is in C order (decoded,
+        ``"F"``) or a row is outside it.
+
+        For a read that needs part of a chunk (a box off the chunk boundaries, every fourth plane, a
+        list of planes): each plane's bytes are one span of the chunk's bytes, or of each stored piece
+        it is made of (uncompressed Zarr chunks gathered into one chunk), so the part reads those
+        planes alone, ``vol[::4]`` of a folder of TIFF planes a quarter of its files; a run of
+        neighbouring rows is one span. The part has a key of its own.
+
+        >>> c = ChunkSpec((ByteRange("a", 0, 8),), (4, 1), "<u2")
+        >>> c.planes([3, 0, 1]).ranges
+        (ByteRange(path='a', offset=6, nbytes=2), ByteRange(path='a', offset=0, nbytes=4))
+        """
+        rows = [int(r) for r in rows]
+        if (self.codec is not None or self.order != "C" or not self.shape or not rows
+                or not 0 <= min(rows) <= max(rows) < self.shape[0]):
+            return None
+        runs: list[list[int]] = []  # [first row, how many]: neighbours in order are one span
+        for r in rows:
+            if runs and r == runs[-1][0] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([r, 1])
+        key = _part_key(self.key, "leading", rows[0], rows[0] + len(rows)) if len(runs) == 1 else \
+            _part_key(self.key, "planes", tuple(rows))
+        shape = (len(rows),) + tuple(self.shape[1:])
         itemsize = np.dtype(self.dtype).itemsize
-        shape = (len(planes),) + tuple(self.shape[1:])
-        key = _part_key(self.key, "leading", start, stop) if step == 1 else \
-            _part_key(self.key, "leading", planes.start, planes[-1] + 1, step)
         if not self.tiles:
             plane = self.out_nbytes // self.shape[0]
-            runs = [(start, stop)] if step == 1 else [(p, p + 1) for p in planes]
-            return ChunkSpec(tuple(r for a, b in runs for r in _span(self.ranges, a * plane, b * plane)), shape,
-                             self.dtype, "C", identity=self.identity, index=self.index, _key=key)
+            return ChunkSpec(tuple(r for first, n in runs for r in _span(self.ranges, first * plane, (first + n) * plane)),
+                             shape, self.dtype, "C", identity=self.identity, index=self.index, _key=key)
         tiles = []
         steps: dict[tuple[int, ...], int] = {}  # bytes a plane, per tile shape: the tiles share one or two
         for t in self.tiles:
@@ -342,21 +360,18 @@ class ChunkSpec:
             plane = steps.get(t.shape)
             if plane is None:
                 plane = steps[t.shape] = math.prod(t.shape[1:]) * itemsize
-            r = t.range
-            if r is not None and r.nbytes != t.shape[0] * plane:
+            if t.range is not None and t.range.nbytes != t.shape[0] * plane:
                 return None  # not the tile's elements as is
-            o = t.origin[0]
-            a, b = max(start, o) - o, min(stop, o + t.shape[0]) - o
-            if step > 1:  # the tile's first plane the step takes, and how many it takes
-                a = o + a + (-(o + a - start) % step) - o
-            if a >= b:
-                continue
-            count = -(-(b - a) // step)
-            runs = [(a, b, (o + a - start) // step)] if step == 1 else \
-                [(a + k * step, a + k * step + 1, (o + a - start) // step + k) for k in range(count)]
-            for lo, hi, at in runs:
-                sub = None if r is None else ByteRange(r.path, r.offset + lo * plane, (hi - lo) * plane)
-                tiles.append(Tile(sub, (hi - lo,) + tuple(t.shape[1:]), (at,) + tuple(t.origin[1:]), "C"))
+        at = 0
+        for first, n in runs:
+            for t in self.tiles:
+                o, r, plane = t.origin[0], t.range, steps[t.shape]
+                a, b = max(first, o), min(first + n, o + t.shape[0])
+                if a >= b:
+                    continue
+                sub = None if r is None else ByteRange(r.path, r.offset + (a - o) * plane, (b - a) * plane)
+                tiles.append(Tile(sub, (b - a,) + tuple(t.shape[1:]), (at + a - first,) + tuple(t.origin[1:]), "C"))
+            at += n
         ranges = tuple(t.range for t in tiles if t.range is not None)
         return ChunkSpec(ranges, shape, self.dtype, "C", identity=self.identity, index=self.index, tiles=tuple(tiles),
                          fill_value=self.fill_value, _key=key)

@@ -199,7 +199,7 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
             for entries in by_chunk.values():
                 spec = entries[0][0]
                 shared = None
-                if len(entries) > 1 and not source.verify and spec.leading(0, 1) is None:
+                if len(entries) > 1 and not source.verify and spec.planes([0]) is None:
                     lo, hi = min(src[0].start for _, src, _ in entries), max(src[0].stop for _, src, _ in entries)
                     rows, part = part_of(spec, slice(lo, hi))
                     shared = (part or spec, rows.start - lo)
@@ -263,25 +263,32 @@ def _hit(cache: Any, spec: ChunkSpec, out: Any) -> bool:
     return True
 
 
-def part_of(spec: ChunkSpec, rows: slice) -> tuple[slice, ChunkSpec | None]:
-    """``(rows in it, part)``: what to read of ``spec`` for its planes ``rows`` (``start:stop:step``, a
-    positive step) along axis 0, as a chunk of its own, and which of its planes ``rows`` are: those
-    planes alone when its bytes are stored as is (``ChunkSpec.leading``: a plane of a Zarr chunk of
-    64 is 1/64 of its bytes, whatever is cut along the later axes; every fourth plane a quarter), else
-    the planes up to ``rows.stop`` decoded from a head of a zstd chunk's stored bytes
-    (``ChunkSpec.head``); ``(rows, None)``: the whole chunk. For a box's read (``read_region``) and a
-    box's streamed map (``array._box_as_map``); not with ``verify`` (checksums cover whole chunks)."""
-    start, stop, step = rows.indices(spec.shape[0])
-    if start == 0 and stop == spec.shape[0] and step == 1:
-        return rows, None
-    part = spec.leading(start, stop, step)
+def part_of(spec: ChunkSpec, rows: Any) -> tuple[Any, ChunkSpec | None]:
+    """``(rows in it, part)``: what to read of ``spec`` for its planes ``rows`` along axis 0 (a slice
+    ``start:stop:step`` with a positive step, or an array of planes, in their order), as a chunk of its
+    own, and which of its planes ``rows`` are: those planes alone when its bytes are stored as is
+    (``ChunkSpec.planes``: a plane of a Zarr chunk of 64 is 1/64 of its bytes, whatever is cut along the
+    later axes; every fourth plane a quarter), else the planes up to the last one decoded from a head of
+    a zstd chunk's stored bytes (``ChunkSpec.head``); ``(rows, None)``: the whole chunk. For a box's
+    read (``read_region``) and the streamed map of a box or a list (``array._cuts_as_map``); not with
+    ``verify`` (checksums cover whole chunks)."""
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(spec.shape[0])
+        if start == 0 and stop == spec.shape[0] and step == 1:
+            return rows, None
+        picked: Sequence[int] = range(start, stop, step)
+    else:
+        picked = [int(r) for r in rows]
+    part = spec.planes(picked)
     if part is not None:
         return slice(0, part.shape[0]), part
-    head = spec.head(start, stop)
+    head = spec.head(min(picked), max(picked) + 1) if len(picked) else None
     if head is None:
         return rows, None
     first, part = head
-    return slice(start - first, stop - first, step), part
+    if isinstance(rows, slice):
+        return slice(start - first, stop - first, step), part
+    return np.asarray(picked) - first, part
 
 
 def _overlap(index: tuple, edges: list, region: tuple) -> tuple[tuple, tuple, bool]:

@@ -316,6 +316,9 @@ def _array_class() -> type:
                     view = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
                     view._gl_box_of = (self, *strided)  # a streamed map of the chunks it picks from
                     return view
+                along = _one_step(strided)
+                if along is not None:  # (dask's reductions over an empty block fail: a list of planes instead)
+                    return _pick(self, *along)
             if out is self or region is None or out.shape != _kept_shape(region, dropped):
                 return out  # (the whole array: dask hands back the array itself)
             box = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
@@ -1152,6 +1155,26 @@ def _strided(arr: Any, index: Any) -> tuple[tuple, tuple[int, ...], tuple[int, .
         return None
     region, dropped, steps = found
     return region, steps, dropped
+
+
+def _one_step(strided: tuple | None) -> tuple[int, tuple[int, ...], tuple, tuple[int, ...]] | None:
+    """A step along one axis alone (``_strided``'s ``(region, steps, dropped)``, the other axes step 1) as
+    ``_pick``'s ``(axis, positions, region, dropped)``: where dask's slicing keeps an empty block
+    (``vol[9:11:2]`` of chunks of 2 planes is dask's blocks of 1 and 0 planes), dask's own reductions
+    over it fail (dask 2026.8: its concatenate meets the empty block's wrong shape); as a list of
+    planes it has a block a chunk it takes from."""
+    if strided is None:
+        return None
+    region, steps, dropped = strided
+    moved = [a for a, k in enumerate(steps) if k != 1]
+    if len(moved) != 1:
+        return None
+    axis = moved[0]
+    (lo, hi), step = region[axis], steps[axis]
+    positions = tuple(range(lo, hi, abs(step)))
+    if not positions:
+        return None
+    return axis, positions[::-1] if step < 0 else positions, region, dropped
 
 
 def _picked(arr: Any, index: Any) -> tuple[int, tuple[int, ...], tuple, tuple[int, ...]] | None:

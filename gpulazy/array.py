@@ -316,9 +316,8 @@ def _array_class() -> type:
                     view = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
                     view._gl_box_of = (self, *strided)  # a streamed map of the chunks it picks from
                     return view
-                along = _one_step(strided)
-                if along is not None:  # (dask's reductions over an empty block fail: a list of planes instead)
-                    return _pick(self, *along)
+                if strided is not None:  # (dask's slicing kept an empty block, which its own operations mishandle)
+                    return _strided_view(self, *strided)
             if out is self or region is None or out.shape != _kept_shape(region, dropped):
                 return out  # (the whole array: dask hands back the array itself)
             box = _array_class()(out.dask, out.name, out.chunks, meta=out._meta)
@@ -1157,24 +1156,32 @@ def _strided(arr: Any, index: Any) -> tuple[tuple, tuple[int, ...], tuple[int, .
     return region, steps, dropped
 
 
-def _one_step(strided: tuple | None) -> tuple[int, tuple[int, ...], tuple, tuple[int, ...]] | None:
-    """A step along one axis alone (``_strided``'s ``(region, steps, dropped)``, the other axes step 1) as
-    ``_pick``'s ``(axis, positions, region, dropped)``: where dask's slicing keeps an empty block
-    (``vol[9:11:2]`` of chunks of 2 planes is dask's blocks of 1 and 0 planes), dask's own reductions
-    over it fail (dask 2026.8: its concatenate meets the empty block's wrong shape); as a list of
-    planes it has a block a chunk it takes from."""
-    if strided is None:
-        return None
-    region, steps, dropped = strided
-    moved = [a for a, k in enumerate(steps) if k != 1]
-    if len(moved) != 1:
-        return None
-    axis = moved[0]
-    (lo, hi), step = region[axis], steps[axis]
-    positions = tuple(range(lo, hi, abs(step)))
-    if not positions:
-        return None
-    return axis, positions[::-1] if step < 0 else positions, region, dropped
+def _strided_view(arr: Any, region: tuple, steps: tuple[int, ...], dropped: tuple[int, ...]) -> Any:
+    """A strided box of ``arr`` (``_strided``'s ``(region, steps, dropped)``) with a graph of its own: a block
+    for each chunk it takes from along each axis (``_along``), cut from that chunk's task (and flipped
+    where its step is negative), and a streamed map of those chunks' parts (``_gl_box_of``). For where
+    dask's slicing keeps an empty block (``vol[9:11:2]`` of chunks of 2 planes: blocks of 1 and 0 planes):
+    dask's own operations over such blocks fail or give the wrong shape (dask 2026.8: ``max(axis=0)``
+    raises in its concatenate, ``vol[5:9:2, 4:7:3, 0] * 2`` has shape ``(2, 2)`` for ``(2, 1)``)."""
+    from dask._task_spec import Task, TaskRef
+    from dask.array.utils import meta_from_array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    met = [_along(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, arr.chunks)]
+    kept = [a for a in range(arr.ndim) if a not in dropped]
+    flip = tuple(slice(None, None, -1 if steps[a] < 0 else 1) for a in kept) if min(steps) < 0 else None
+    name = "strided-" + tokenize(arr.name, region, steps, dropped)
+    layer = {}
+    for pieces in itertools.product(*(list(enumerate(along)) for along in met)):
+        key = (name, *(j for a, (j, _) in enumerate(pieces) if a not in dropped))
+        index, _ = _block_cut([piece[1] for _, piece in pieces], dropped)
+        layer[key] = Task(key, _take, TaskRef((arr.name, *(piece[0] for _, piece in pieces))), index, flip)
+    chunks = tuple(tuple(n for _, _, n in along) for a, along in enumerate(met) if a not in dropped)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[arr])
+    view = _array_class()(graph, name, chunks, meta=meta_from_array(arr._meta, ndim=len(chunks)))
+    view._gl_box_of = (arr, region, steps, dropped)  # a streamed map of the chunks it takes from
+    return view
 
 
 def _picked(arr: Any, index: Any) -> tuple[int, tuple[int, ...], tuple, tuple[int, ...]] | None:

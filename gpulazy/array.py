@@ -646,22 +646,28 @@ def _box_as_map(box: Any) -> tuple | None:
     strided box's ``compute()``) stream as a map's do. ``None`` where dask's blocks of it are not one a
     chunk met."""
     base, region, steps, dropped = box._gl_box_of
-    met = [_along(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, base.chunks)]
-    kept = [a for a in range(base.ndim) if a not in dropped]
+    return _cuts_as_map(box, base, *_strided_met(base, region, steps, dropped), dropped)
+
+
+def _strided_met(arr: Any, region: tuple, steps: tuple[int, ...], dropped: tuple[int, ...]) -> tuple[list, tuple | None]:
+    """``(met, flip)`` of a strided box: along each axis the chunks it takes from (``_along``), and the flip
+    each block gets where a step is negative (``None``: none is)."""
+    met = [_along(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, arr.chunks)]
+    kept = [a for a in range(arr.ndim) if a not in dropped]
     flip = tuple(slice(None, None, -1 if steps[a] < 0 else 1) for a in kept) if min(steps) < 0 else None
-    return _cuts_as_map(box, base, met, dropped, flip)
+    return met, flip
 
 
 def _pick_as_map(view: Any) -> tuple | None:
-    """A list of planes (``_pick``) as a streamed map, as a box is (``_box_as_map``): its block ``i`` is
-    the ``i``-th run of neighbouring positions' part of a chunk, so ``vol[[3, 9, 27]].max(axis=0)``
-    streams and reads those planes alone where the chunks are stored as is."""
+    """A list of planes (``_pick``) as a streamed map, as a box is (``_box_as_map``): its block ``i`` is the
+    part of a chunk the ``i``-th stretch of the list in one chunk takes (``_stretches``), so
+    ``vol[[3, 9, 27]].max(axis=0)`` streams and reads those planes alone where the chunks are stored as is."""
     base, axis, positions, region, dropped = view._gl_pick_of
-    return _cuts_as_map(view, base, _pick_met(base, axis, positions, region), dropped, None, once=True,
+    return _cuts_as_map(view, base, _pick_met(base, axis, positions, region), None, dropped, once=True,
                         planes_only=axis == 0)
 
 
-def _cuts_as_map(view: Any, base: Any, met: list, dropped: tuple[int, ...], flip: tuple | None,
+def _cuts_as_map(view: Any, base: Any, met: list, flip: tuple | None, dropped: tuple[int, ...],
                  once: bool = False, planes_only: bool = False) -> tuple | None:
     """``view`` of ``base`` (its files' array) as a streamed map whose blocks are, along each axis, the
     chunks ``met`` lists (``(chunk, its slice, elements)``) and their parts; ``None`` where those are not
@@ -686,13 +692,13 @@ def _cuts_as_map(view: Any, base: Any, met: list, dropped: tuple[int, ...], flip
         part = None
         if not source.verify and not (cache is not None and (spec in cache or cache.holds(spec))):
             rows, part = part_of(spec, cut[0])
-        as_is = (part if part is not None else spec).planes([0]) is not None
-        if once and not (as_is and planes_only):
+        if once:
             # A list that comes back to a chunk it left would read it again, whole or from a head (a
             # compressed chunk), or the same part of it (a list along a later axis): dask's graph, which
             # reads each chunk once, is kept instead. (Planes of a chunk stored as is: read again.)
+            as_is = (part if part is not None else spec).planes([0]) is not None
             key = part.key if as_is and part is not None else spec.key
-            if key in read:
+            if not (as_is and planes_only) and key in read:
                 return None
             read.add(key)
         if part is not None:
@@ -1163,25 +1169,32 @@ def _strided_view(arr: Any, region: tuple, steps: tuple[int, ...], dropped: tupl
     dask's slicing keeps an empty block (``vol[9:11:2]`` of chunks of 2 planes: blocks of 1 and 0 planes):
     dask's own operations over such blocks fail or give the wrong shape (dask 2026.8: ``max(axis=0)``
     raises in its concatenate, ``vol[5:9:2, 4:7:3, 0] * 2`` has shape ``(2, 2)`` for ``(2, 1)``)."""
+    from dask.base import tokenize
+
+    met, flip = _strided_met(arr, region, steps, dropped)
+    view = _cut_view(arr, "strided-" + tokenize(arr.name, region, steps, dropped), met, flip, dropped)
+    view._gl_box_of = (arr, region, steps, dropped)  # a streamed map of the chunks it takes from
+    return view
+
+
+def _cut_view(arr: Any, name: str, met: list, flip: tuple | None, dropped: tuple[int, ...]) -> Any:
+    """A gpulazy array named ``name`` whose blocks are, along each axis, the chunks of ``arr`` that ``met``
+    lists (``(chunk, its slice or planes, elements)``), each cut from that chunk's task (``_block_cut``,
+    then ``flip``)."""
     from dask._task_spec import Task, TaskRef
     from dask.array.utils import meta_from_array
-    from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 
-    met = [_along(lo, hi, step, chunks) for (lo, hi), step, chunks in zip(region, steps, arr.chunks)]
-    kept = [a for a in range(arr.ndim) if a not in dropped]
-    flip = tuple(slice(None, None, -1 if steps[a] < 0 else 1) for a in kept) if min(steps) < 0 else None
-    name = "strided-" + tokenize(arr.name, region, steps, dropped)
     layer = {}
     for pieces in itertools.product(*(list(enumerate(along)) for along in met)):
         key = (name, *(j for a, (j, _) in enumerate(pieces) if a not in dropped))
-        index, _ = _block_cut([piece[1] for _, piece in pieces], dropped)
-        layer[key] = Task(key, _take, TaskRef((arr.name, *(piece[0] for _, piece in pieces))), index, flip)
+        index, then = _block_cut([piece[1] for _, piece in pieces], dropped)
+        if flip is not None:  # (a step has no array of planes: nothing to drop after the cut)
+            then = flip
+        layer[key] = Task(key, _take, TaskRef((arr.name, *(piece[0] for _, piece in pieces))), index, then)
     chunks = tuple(tuple(n for _, _, n in along) for a, along in enumerate(met) if a not in dropped)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[arr])
-    view = _array_class()(graph, name, chunks, meta=meta_from_array(arr._meta, ndim=len(chunks)))
-    view._gl_box_of = (arr, region, steps, dropped)  # a streamed map of the chunks it takes from
-    return view
+    return _array_class()(graph, name, chunks, meta=meta_from_array(arr._meta, ndim=len(chunks)))
 
 
 def _picked(arr: Any, index: Any) -> tuple[int, tuple[int, ...], tuple, tuple[int, ...]] | None:
@@ -1224,21 +1237,10 @@ def _pick(arr: Any, axis: int, positions: tuple[int, ...], region: tuple, droppe
     a block for each stretch of the list in one chunk, along ``axis`` (``_stretches``), and each chunk
     the box meets along the others. dask's own graph for a list index (its ``take``) took 4 ms to build for 64
     planes, longer than reading them from the page cache; this one, values the same, a tenth of that."""
-    from dask._task_spec import Task, TaskRef
-    from dask.array.utils import meta_from_array
     from dask.base import tokenize
-    from dask.highlevelgraph import HighLevelGraph
 
-    met = _pick_met(arr, axis, positions, region)
     name = "pick-" + tokenize(arr.name, axis, positions, region, dropped)
-    layer = {}
-    for pieces in itertools.product(*(list(enumerate(along)) for along in met)):
-        key = (name, *(j for a, (j, _) in enumerate(pieces) if a not in dropped))
-        source = TaskRef((arr.name, *(piece[0] for _, piece in pieces)))
-        layer[key] = Task(key, _take, source, *_block_cut([piece[1] for _, piece in pieces], dropped))
-    chunks = tuple(tuple(n for _, _, n in along) for a, along in enumerate(met) if a not in dropped)
-    graph = HighLevelGraph.from_collections(name, layer, dependencies=[arr])
-    view = _array_class()(graph, name, chunks, meta=meta_from_array(arr._meta, ndim=len(chunks)))
+    view = _cut_view(arr, name, _pick_met(arr, axis, positions, region), None, dropped)
     view._gl_pick_of = (arr, axis, positions, region, dropped)
     return view
 

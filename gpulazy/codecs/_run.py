@@ -54,9 +54,16 @@ def _pad(where: Sequence[Any], n: int) -> list[Any]:
     return list(where) + [None] * (n - len(where))
 
 
-def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int | None, where: ByteRange | None
-              ) -> np.ndarray:
+def _host_one(piece: np.ndarray, codec: Sequence[Codec], expected: int | None, where: ByteRange | None,
+              into: np.ndarray | None = None) -> np.ndarray:
+    """``piece`` decoded through ``codec`` on this thread; errors name ``where``. ``into``: for a head
+    (``codec`` is ``Codec("head", ...)`` alone), the 1-D uint8 buffer of ``expected`` bytes it decodes
+    straight into (a slot of ``_beside.HostShare``'s pinned buffer: no buffer a head), returned."""
     try:
+        if into is not None:
+            assert len(codec) == 1 and codec[0].id == "head" and into.size == expected
+            host.head_into(piece, codec[0], into)
+            return into
         return host.decode(piece, codec, expected)
     except ChunkDecodeError:
         raise

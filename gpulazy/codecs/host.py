@@ -18,7 +18,7 @@ from gpulazy.codecs._frames import (HEAD, TAIL, FrameError, check_declared, crc3
                                     zstd_header)
 from gpulazy.spec import Codec
 
-__all__ = ["decode", "decode_step", "unsupported_reason", "SPECIAL", "HeadShort"]
+__all__ = ["decode", "decode_step", "head_into", "unsupported_reason", "SPECIAL", "HeadShort"]
 
 
 def _strip_crc32c(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
@@ -66,13 +66,23 @@ class HeadShort(FrameError):
 
 
 def _head(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
-    # The first ``expected`` decoded bytes of a zstd frame of which ``data`` is the first stored
-    # bytes. Whatever it cannot decode or check from them (a frame that needs more, a garbled one,
-    # one with a checksum of its content, which covers every byte, or without its decoded size,
-    # which must be the chunk's) is ``HeadShort``: the reader reads the whole chunk instead, which
-    # decodes it or says what is wrong with it.
-    size = int(codec.get("size"))
-    if expected is None or expected > size:
+    # The first ``expected`` decoded bytes of a zstd frame of which ``data`` is the first stored bytes.
+    if expected is None:
+        raise FrameError(f"a head of unknown size of a {codec.get('size')}-byte chunk")
+    out = np.empty(expected, np.uint8)
+    head_into(data, codec, out)
+    return out
+
+
+def head_into(data: np.ndarray, codec: Codec, out: np.ndarray) -> None:
+    """The first ``out.size`` decoded bytes of a zstd frame of which ``data`` is the first stored
+    bytes (``ChunkSpec.head``; ``codec``: its ``Codec("head", of=..., size=...)``), into ``out``
+    (1-D uint8). Whatever it cannot decode or check from them (a frame that needs more, a garbled
+    one, one with a checksum of its content, which covers every byte, or without its decoded
+    size, which must be the chunk's) is ``HeadShort``: the reader reads the whole chunk instead,
+    which decodes it or says what is wrong with it."""
+    size, expected = int(codec.get("size")), int(out.size)
+    if expected > size:
         raise FrameError(f"a head of {expected} bytes of a {size}-byte chunk")
     head = data[:HEAD].tobytes()
     try:
@@ -83,14 +93,12 @@ def _head(data: np.ndarray, codec: Codec, expected: int | None) -> np.ndarray:
         raise HeadShort("its zstd frame does not say how many bytes it decodes to")
     if zstd_header(head)[1]:  # (a standard frame: it declared its size)
         raise HeadShort("its zstd frame has a checksum of its content, which a head cannot check")
-    out = np.empty(expected, np.uint8)
     try:
         got = _zstd_head(data, out)
     except Exception as e:
         raise HeadShort(f"{type(e).__name__}: {e}") from e
     if got < expected:
         raise HeadShort(f"its zstd frame ended after {got} decoded bytes of {data.size} stored", got=got)
-    return out
 
 
 def _zstd_head(data: np.ndarray, out: np.ndarray) -> int:

@@ -81,9 +81,9 @@ def test_a_head_of_a_chunk_cut_short_after_indexing_raises_naming_it(tmp_path, d
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_garbled_head_reads_its_chunk_whole_and_says_what_is_wrong(tmp_path, device):
-    data = _data(7)
     from gpulazy.codecs._frames import zstd_header
 
+    data = _data(7)
     p = _zstd_zarr(tmp_path, data, (16, 128, 128))
     chunk = tmp_path / "z.zarr" / "c" / "1" / "0" / "0"
     blob = bytearray(chunk.read_bytes())

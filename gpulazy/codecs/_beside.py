@@ -399,8 +399,9 @@ def _decode_into(piece: np.ndarray, steps: tuple[Codec, ...], want: int, where: 
     """Decode one piece into its slot; when it started and ended (the thread's busy time)."""
     started = time.perf_counter()
     if len(steps) == 1 and steps[0].id == "head" and want == slot.size:
-        # Straight into the slot: 64 one-plane heads on gpulazy's 16 host threads took 4.9 ms each into
-        # a buffer of its own, 4.1 straight into a slot (H200 host, RESULTS.md, thirty-third session).
+        # Straight into the slot, not into a buffer a head copied in after: 64 one-plane heads on
+        # gpulazy's 16 host threads took 4.1 ms against 4.9, and a plane of a zstd Zarr in the engine
+        # 0.8 x the time (H200 host, RESULTS.md, thirty-third session).
         _host_one(piece, steps, want, where, into=slot)
         return started, time.perf_counter()
     arr = _host_one(piece, steps, want, where)

@@ -696,7 +696,7 @@ def _cuts_as_map(view: Any, base: Any, met: list, flip: tuple | None, dropped: t
             # A list that comes back to a chunk it left would read it again, whole or from a head (a
             # compressed chunk), or the same part of it (a list along a later axis): dask's graph, which
             # reads each chunk once, is kept instead. (Planes of a chunk stored as is: read again.)
-            as_is = (part if part is not None else spec).planes([0]) is not None
+            as_is = (part if part is not None else spec).stored_as_is
             key = part.key if as_is and part is not None else spec.key
             if not (as_is and planes_only) and key in read:
                 return None

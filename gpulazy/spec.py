@@ -431,6 +431,12 @@ class ChunkSpec:
                                 _key=_part_key(self.key, "head", start, stop))
 
     @property
+    def stored_as_is(self) -> bool:
+        """Whether each plane of the chunk is a span of its stored bytes (``planes`` can cut it): not
+        decoded, in C order, each stored piece its tile's elements as they are."""
+        return self.planes([0]) is not None
+
+    @property
     def is_head(self) -> bool:
         """Whether this is the first planes of a chunk, decoded from heads of its stored bytes (``head``)."""
         return self.codec is not None and len(self.codec) > 0 and self.codec[0].id == "head"

@@ -26,7 +26,7 @@ import numpy as np
 from gpulazy.device import get_device
 from gpulazy.spec import ChunkSpec
 
-__all__ = ["read_whole", "read_region", "read_picks", "runs", "read_all", "read_in_order", "part_of",
+__all__ = ["read_whole", "read_region", "read_picks", "read_all", "read_in_order", "part_of",
            "groups_by_bytes", "iter_groups", "held_bytes", "inflight_room", "settle_later", "settle_pool",
            "settle_slots", "settlers", "stream_calls",
            "GROUP", "STAGED", "SETTLERS", "STREAM_SETTLERS", "STREAM_PIECES"]
@@ -123,14 +123,14 @@ def read_picks(specs: dict, source: Any, chunks: tuple, dtype: Any, region: tupl
     shape = tuple(len(positions) if a == axis else hi - lo for a, (lo, hi) in enumerate(region))
     out = _result(shape, dtype, order, get_device(source.device))
     boxes = []
-    for at, first, n in runs(positions):
+    for at, first, n in _runs(positions):
         box = region[:axis] + ((first, first + n),) + region[axis + 1:]
         boxes.append((box, out[(slice(None),) * axis + (slice(at, at + n),)]))
     _read_boxes(specs, source, chunks, boxes)
     return out
 
 
-def runs(positions: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def _runs(positions: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """``(where in the result, first position, how many)`` for each run of consecutive positions."""
     at = 0
     for _, run in itertools.groupby(enumerate(positions), lambda item: item[1] - item[0]):
@@ -199,7 +199,7 @@ def _read_boxes(specs: dict, source: Any, chunks: tuple, boxes: list[tuple[tuple
             for entries in by_chunk.values():
                 spec = entries[0][0]
                 shared = None
-                if len(entries) > 1 and not source.verify and spec.planes([0]) is None:
+                if len(entries) > 1 and not source.verify and not spec.stored_as_is:
                     lo, hi = min(src[0].start for _, src, _ in entries), max(src[0].stop for _, src, _ in entries)
                     rows, part = part_of(spec, slice(lo, hi))
                     shared = (part or spec, rows.start - lo)
